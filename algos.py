@@ -1,0 +1,120 @@
+"""The math. Algorithms differ only in how rewards become a per-token advantage A [N, T]; all of them
+share one clipped policy loss and one value loss. Pure functions of tensors, no I/O.
+"""
+import torch
+
+from utils import all_reduce_sum, discounted_cumsum, gae, masked_sum, whiten
+
+
+# --- advantage estimators: fn(batch, cfg) -> (A [N, T], returns [N, T] or None) ----------------
+
+def reinforce(b, cfg):
+    """A_t = G_t = sum_{s>=t} gamma^(s-t) r_s, the discounted return-to-go (Williams 1992)."""
+    return discounted_cumsum(b.rewards, b.mask, cfg.gamma), None
+
+
+def reinforce_baseline(b, cfg):
+    """A_t = G_t - b, with b the mean of G_t over every real step of the batch (all ranks)."""
+    G = discounted_cumsum(b.rewards, b.mask, cfg.gamma)  # [N, T]
+    total = all_reduce_sum(torch.stack([masked_sum(G, b.mask), b.mask.sum()]))
+    return (G - total[0] / total[1]) * b.mask, None
+
+
+def ppo(b, cfg):
+    """GAE under the OLD critic b.values (arXiv 1506.02438), whitened over real tokens; R = A + V is
+    the critic's target. LLM tasks: gamma = lam = 1 turns this into R_final - V_t."""
+    A, R = gae(b.rewards, b.values, b.mask, cfg.gamma, cfg.lam)
+    return whiten(A, b.mask), R
+
+
+def _group_stats(R, group):
+    """-> (R - group mean, unbiased group std, group size), each [N] for samples sharing a group id.
+    A group whose rewards are all equal gets exactly 0 (not float dust like 1e-17 / eps)."""
+    _, idx, count = torch.unique(group, return_inverse=True, return_counts=True)
+    empty = R.new_zeros(len(count))
+    mean = empty.index_add(0, idx, R) / count
+    spread = (empty.scatter_reduce(0, idx, R, "amax", include_self=False)
+              - empty.scatter_reduce(0, idx, R, "amin", include_self=False))
+    centered = torch.where(spread[idx] > 0, R - mean[idx], 0.0)
+    std = (empty.index_add(0, idx, centered**2) / (count - 1).clamp(min=1)).sqrt()
+    return centered, std[idx], count[idx]
+
+
+def grpo(b, cfg):
+    """A_i = (R_i - mean_g R) / (std_g R + adv_eps), std unbiased (arXiv 2402.03300), on every token of
+    sample i. norm_std = false gives Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783)."""
+    centered, std, _ = _group_stats(b.seq_reward, b.group)  # [N]
+    A = torch.where(std > 0, centered / (std + cfg.adv_eps), 0.0) if cfg.norm_std else centered
+    return A[:, None] * b.mask, None
+
+
+def rloo(b, cfg):
+    """A_i = R_i - mean_{j != i} R_j = G / (G - 1) * (R_i - mean_g R), leave-one-out (arXiv 2402.14740)."""
+    centered, _, G = _group_stats(b.seq_reward, b.group)
+    return (G / (G - 1) * centered)[:, None] * b.mask, None
+
+
+ADVANTAGES = {"reinforce": reinforce, "reinforce_baseline": reinforce_baseline, "ppo": ppo,
+              "grpo": grpo, "rloo": rloo}
+
+
+# --- losses -------------------------------------------------------------------------------------
+
+def loss_weights(mask, cfg, max_len):
+    """w [N, T] such that sum(w * l) over EVERY micro-batch and rank is the chosen aggregation. The
+    denominators are summed globally once, so splitting the batch never rescales the gradient.
+      token_mean               sum(m l) / sum(m)
+      seq_mean_token_mean      mean_i sum_t(m l) / sum_t(m)          (original GRPO, length-biased)
+      seq_mean_token_sum_norm  sum(m l) / (N * max_len)              (Dr.GRPO: a constant denominator)"""
+    if cfg.loss_agg == "token_mean":
+        return mask / all_reduce_sum(mask.sum()).clamp(min=1)
+    n = all_reduce_sum(torch.tensor(float(mask.shape[0]), device=mask.device))
+    if cfg.loss_agg == "seq_mean_token_mean":
+        return mask / mask.sum(1, keepdim=True).clamp(min=1) / n
+    return mask / (n * max_len)
+
+
+def pg_loss(logp, old_logp, adv, mask, cfg, weight=None, entropy=None, ref_logp=None, sampler_logp=None):
+    """Per token: l = -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A), ratio = exp(logp - old_logp)
+    (arXiv 1707.06347; clip-higher from DAPO, arXiv 2503.14476); dual-clip bounds l <= -c A for A < 0
+    (arXiv 1912.09729); times min(exp(old_logp - sampler_logp), tis_clip) when TIS is on; minus
+    ent_coef * entropy; plus kl_coef * KL-estimate(logp - ref_logp). loss = sum(weight * l), weight from
+    loss_weights (this tensor alone when None, with max_len = T). All inputs [N, T].
+    -> (loss, stats): stats are sums over real tokens ('tokens' counts them), 'ratio_max' a max."""
+    assert logp.shape == old_logp.shape == adv.shape == mask.shape, "pg_loss wants [N, T] everywhere"
+    weight = loss_weights(mask, cfg, mask.shape[1]) if weight is None else weight
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1 - cfg.eps, 1 + cfg.eps_high)
+    l = -torch.min(ratio * adv, clipped * adv)
+    if cfg.dual_clip:
+        l = torch.where(adv < 0, torch.min(l, -cfg.dual_clip * adv), l)
+    if cfg.tis_clip and sampler_logp is not None:
+        l = l * torch.exp(old_logp - sampler_logp).clamp(max=cfg.tis_clip)
+    if cfg.ent_coef and entropy is not None:
+        l = l - cfg.ent_coef * entropy
+    kl = None
+    if cfg.kl_coef and ref_logp is not None:
+        d = logp - ref_logp
+        kl = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[cfg.kl_estimator]
+        l = l + cfg.kl_coef * kl
+    loss = (weight * l).sum()
+    with torch.no_grad():
+        log_ratio = logp - old_logp
+        stats = {"tokens": mask.sum(), "ratio": masked_sum(ratio, mask),
+                 "ratio_max": (ratio * mask).max() if mask.any() else ratio.new_zeros(()),
+                 "clipfrac": masked_sum((clipped * adv < ratio * adv).float(), mask),
+                 "approx_kl": masked_sum(ratio - 1 - log_ratio, mask)}  # k3 of old -> new
+        if entropy is not None:
+            stats["entropy"] = masked_sum(entropy, mask)
+        if kl is not None:
+            stats["kl"] = masked_sum(kl, mask)
+    return loss, stats
+
+
+def value_loss(v, v_old, R, weight, cfg):
+    """0.5 * max((V - R)^2, (V_old + clip(V - V_old, -vclip, vclip) - R)^2): clipped around the OLD
+    values, so the critic moves at most vclip per batch (clipping around R would be a no-op)."""
+    l = (v - R) ** 2
+    if cfg.vclip:
+        l = torch.max(l, (v_old + (v - v_old).clamp(-cfg.vclip, cfg.vclip) - R) ** 2)
+    return 0.5 * (weight * l).sum()

@@ -1,0 +1,80 @@
+"""CartPole-v1: wall seconds and steps to solve, per algorithm and seed, side by side with
+stable-baselines3 PPO (default hyper-parameters) in the same run, alternating. Every timing is a whole
+command in a fresh process, imports included.
+
+    pip install -e ".[bench]" && python benchmarks/cartpole.py --seeds 3
+"""
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGOS = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"]
+
+# SB3 PPO with its defaults, stopped when the mean of the last 20 episode returns reaches 475.
+SB3 = """
+import sys
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import BaseCallback
+class Stop(BaseCallback):
+    def _on_step(self):
+        eps = [e["r"] for e in self.model.ep_info_buffer][-20:]
+        return not (len(eps) == 20 and sum(eps) / 20 >= 475)
+model = PPO("MlpPolicy", "CartPole-v1", seed=int(sys.argv[1]), device="cpu")
+model.learn(200_000, callback=Stop())
+print("env_steps", model.num_timesteps)
+"""
+
+
+def timed(cmd):
+    t = time.time()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
+    return time.time() - t, out.stdout
+
+
+def flatrl(args, seed):
+    """-> (wall s, env steps sampled for training, or None if it did not solve)."""
+    with tempfile.TemporaryDirectory() as d:
+        wall, out = timed([sys.executable, "train.py", *args, "--seed", str(seed), "--out", d])
+        batch = yaml.safe_load(open(f"{d}/config.yaml"))["batch_size"]
+        with open(f"{d}/metrics.csv") as f:
+            env_steps = sum(float(r["length"]) * batch for r in csv.DictReader(f) if r.get("length"))
+    return wall, int(env_steps) if "solved at step" in out else None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--no-sb3", action="store_true")
+    a = p.parse_args()
+    jobs = {"reinforce (default command)": ["--task", "cartpole", "--algo", "reinforce"]}
+    jobs.update({algo: ["--config", f"configs/cartpole_{algo}.yaml"] for algo in ALGOS[1:]})
+    res = {name: [] for name in list(jobs) + ([] if a.no_sb3 else ["sb3 PPO"])}
+    for seed in range(a.seeds):  # alternate: every contender once per seed, in turn
+        for name, args in jobs.items():
+            res[name].append(flatrl(args, seed))
+            print(f"seed {seed} {name}: {res[name][-1][0]:.1f} s, {res[name][-1][1]} env steps", flush=True)
+        if not a.no_sb3:
+            wall, out = timed([sys.executable, "-c", SB3, str(seed)])
+            res["sb3 PPO"].append((wall, int(out.split()[-1])))
+            print(f"seed {seed} sb3 PPO: {wall:.1f} s, {res['sb3 PPO'][-1][1]} env steps", flush=True)
+    sb3 = statistics.median(w for w, _ in res["sb3 PPO"]) if not a.no_sb3 else None
+    print("\n| run | solved | median wall s | median env steps | wall vs SB3 PPO |\n|---|---|---|---|---|")
+    for name, rows in res.items():
+        walls, steps = [w for w, _ in rows], [s for _, s in rows if s is not None]
+        ratio = f"{statistics.median(walls) / sb3:.2f}x" if sb3 else "-"
+        med_steps = f"{statistics.median(steps):.0f}" if steps else "-"
+        print(f"| {name} | {len(steps)}/{len(rows)} | {statistics.median(walls):.1f} | {med_steps} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

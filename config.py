@@ -1,0 +1,129 @@
+"""One flat, typed run configuration: defaults here, a YAML preset over them, CLI flags over that.
+
+Every field is one line with a comment; the CLI (`--field-name`, booleans `--x/--no-x`) and its help
+are generated from this file, and validate() rejects bad combinations before anything runs.
+"""
+import argparse
+import dataclasses
+import difflib
+import inspect
+import os
+import re
+
+import yaml
+
+ALGOS = ("reinforce", "reinforce_baseline", "ppo", "grpo", "rloo")
+
+
+@dataclasses.dataclass
+class Config:
+    # --- run ---
+    task: str = "cartpole"  # cartpole (any gymnasium env via --env), arith, countdown, jsonl
+    env: str = "CartPole-v1"  # gymnasium id for control tasks: discrete actions, Box observations
+    algo: str = "reinforce"  # advantage estimator: reinforce, reinforce_baseline, ppo, grpo, rloo
+    seed: int = 0  # seeds python, torch, env resets and prompt order
+    steps: int = 300  # maximum training steps (one batch + one update each)
+    out: str = ""  # run directory ("" = runs/<task>-<algo>-<time>)
+    resume: str = ""  # run directory to continue from ("" = start fresh)
+    eval_every: int = 5  # greedy evaluation every N steps, and always at step 0 (0 = step 0 only)
+    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
+    device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
+    # --- rollout ---
+    batch_size: int = 8  # samples per step: episodes, or prompts x group_size completions
+    group_size: int = 1  # samples per prompt (or per env reset seed); grpo and rloo need >= 2
+    eval_episodes: int = 10  # held-out episodes (fixed seeds) per control-task evaluation
+    # --- policy and optimizer ---
+    hidden: int = 64  # MLP hidden width (control tasks)
+    lr: float = 0.01  # Adam learning rate
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
+    # --- advantage ---
+    gamma: float = 0.99  # discount for return-to-go and GAE
+    lam: float = 0.95  # GAE lambda (ppo)
+    norm_std: bool = True  # grpo: divide by the group std; false = Dr.GRPO advantage R - mean
+    adv_eps: float = 1e-6  # grpo: (R - mean) / (std + adv_eps), std unbiased (n - 1)
+    # --- update ---
+    epochs: int = 1  # passes over each batch; old_logp is fixed before the first
+    minibatches: int = 1  # optimizer steps per epoch (the batch is split by rows)
+    micro_batch: int = 0  # rows per forward/backward inside a minibatch (0 = whole minibatch)
+    loss_agg: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum_norm
+    eps: float = 0.2  # PPO clip: ratio kept within [1 - eps, 1 + eps_high]
+    eps_high: float = 0.2  # upper clip; > eps is DAPO's clip-higher (e.g. 0.28)
+    dual_clip: float = 0.0  # dual-clip c > 1 bounds the loss at -c * A for A < 0 (0 = off)
+    ent_coef: float = 0.0  # entropy bonus coefficient (0 = off)
+    kl_coef: float = 0.0  # KL penalty to the reference policy (0 = off, no reference kept)
+    kl_estimator: str = "k3"  # k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d, with d = logp - ref_logp
+    vf_coef: float = 0.5  # value loss coefficient (ppo)
+    vclip: float = 0.2  # value clip around the OLD values (0 = off)
+    tis_clip: float = 0.0  # truncated importance weight min(exp(old_logp - sampler_logp), C) (0 = off)
+
+    def validate(self):
+        def need(ok, msg):
+            if not ok:
+                raise SystemExit(f"config error: {msg}")
+        need(self.algo in ALGOS, f"algo {self.algo!r} is unknown; pick one of {', '.join(ALGOS)}")
+        need(self.algo not in ("grpo", "rloo") or self.group_size >= 2,
+             f"{self.algo} compares samples of the same prompt: set --group-size 2 or more")
+        need(self.batch_size % self.group_size == 0,
+             f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
+        need(self.eps_high >= self.eps, f"eps_high {self.eps_high} < eps {self.eps}: set --eps-high >= --eps")
+        need(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1 (3 is usual)")
+        need(self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+             f"loss_agg {self.loss_agg!r}: use token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
+        need(self.kl_estimator in ("k1", "k2", "k3"), f"kl_estimator {self.kl_estimator!r}: use k1, k2 or k3")
+        need(self.batch_size % self.minibatches == 0,
+             f"batch_size {self.batch_size} is not divisible by minibatches {self.minibatches}")
+        need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
+             "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
+        return self
+
+
+def _field_help():
+    """The trailing comment of each field line, used as its --help text."""
+    src = inspect.getsource(Config)
+    return dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", src, re.M))
+
+
+def _closest(key, valid):
+    hit = difflib.get_close_matches(key, valid, n=1)
+    return f" (did you mean {hit[0]!r}?)" if hit else ""
+
+
+def load_yaml(path):
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    for key, value in data.items():
+        if key not in types:
+            raise SystemExit(f"config error: unknown key {key!r} in {path}{_closest(key, list(types))}")
+        if types[key] is not bool:  # YAML 1.1 reads 1e-4 as a string; cast through the field's type
+            data[key] = types[key](value)
+    return data
+
+
+def parse(argv=None):
+    """CLI -> Config: defaults, then --config FILE.yaml, then explicit flags; validated."""
+    helps = _field_help()
+    parser = argparse.ArgumentParser(description="flatrl: RL post-training in seven flat files",
+                                     allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML preset; flags given here override it")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=helps.get(f.name))
+        else:
+            parser.add_argument(flag, type=f.type, help=helps.get(f.name), metavar=f.name.upper())
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)]
+        raise SystemExit(f"config error: unknown argument {unknown[0]!r}{_closest(unknown[0].split('=')[0], flags)}")
+    args = vars(args)
+    preset = load_yaml(args.pop("config")) if "config" in args else {}
+    if args.get("resume"):  # a resumed run keeps its own config; flags (e.g. --steps) still win
+        preset = {**load_yaml(os.path.join(args["resume"], "config.yaml")), **preset}
+    return Config(**{**preset, **args}).validate()
+
+
+def save(cfg, path):
+    with open(path, "w") as f:
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)

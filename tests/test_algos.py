@@ -1,0 +1,171 @@
+"""The math, pinned with hand-computed values (arithmetic in the comments)."""
+import math
+
+import pytest
+import torch
+
+from algos import ADVANTAGES, loss_weights, pg_loss, value_loss
+from config import Config
+from utils import Batch, discounted_cumsum, gae, whiten
+
+
+def batch(rewards, mask, group=None, values=None):
+    rewards, mask = torch.tensor(rewards), torch.tensor(mask)
+    N, T = mask.shape
+    return Batch(obs=torch.zeros(N, T, 1), actions=torch.zeros(N, T, dtype=torch.long), mask=mask,
+                 rewards=rewards, group=torch.tensor(group if group else list(range(N))),
+                 truncated=torch.zeros(N, dtype=torch.bool),
+                 values=None if values is None else torch.tensor(values))
+
+
+def cfg(**kw):
+    return Config(**kw)
+
+
+def test_reinforce_return_to_go():
+    b = batch([[1.0, 1, 1], [2, 0, 0]], [[1.0, 1, 1], [1, 1, 0]])
+    A, R = ADVANTAGES["reinforce"](b, cfg(gamma=0.5))
+    # row 0: G2=1, G1=1+.5*1=1.5, G0=1+.5*1.5=1.75; row 1: G1=0, G0=2+.5*0=2, padding 0
+    assert torch.allclose(A, torch.tensor([[1.75, 1.5, 1.0], [2.0, 0.0, 0.0]]))
+    assert R is None
+
+
+def test_reinforce_baseline_subtracts_token_mean():
+    b = batch([[1.0, 1, 1], [2, 0, 0]], [[1.0, 1, 1], [1, 1, 0]])
+    A, _ = ADVANTAGES["reinforce_baseline"](b, cfg(gamma=0.5))
+    # real G: 1.75, 1.5, 1, 2, 0 -> mean 6.25/5 = 1.25
+    assert torch.allclose(A, torch.tensor([[0.5, 0.25, -0.25], [0.75, -1.25, 0.0]]))
+
+
+def test_gae_by_hand_and_ppo_whitening():
+    b = batch([[0.0, 0, 1]], [[1.0, 1, 1]], values=[[0.5, 0.5, 0.5]])
+    A, R = gae(b.rewards, b.values, b.mask, gamma=1.0, lam=0.5)
+    # delta = (0+.5-.5, 0+.5-.5, 1+0-.5) = (0, 0, .5); A2=.5, A1=0+.5*.5=.25, A0=0+.5*.25=.125
+    assert torch.allclose(A, torch.tensor([[0.125, 0.25, 0.5]]))
+    assert torch.allclose(R, torch.tensor([[0.625, 0.75, 1.0]]))  # R = A + V
+    A_ppo, R_ppo = ADVANTAGES["ppo"](b, cfg(gamma=1.0, lam=0.5))
+    # mean 0.875/3 = .29167; population std of (.125, .25, .5) = .15590
+    assert torch.allclose(A_ppo, (A - 0.875 / 3) / 0.155902, atol=1e-4)
+    assert torch.allclose(R_ppo, R)
+
+
+def test_gae_matches_a_plain_loop():
+    torch.manual_seed(0)
+    N, T, gamma, lam = 5, 9, 0.97, 0.9
+    r, v = torch.randn(N, T), torch.randn(N, T)
+    lengths = [9, 1, 4, 7, 2]
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).float()
+    A, _ = gae(r, v, mask, gamma, lam)
+    for i, L in enumerate(lengths):
+        last = 0.0
+        for t in reversed(range(L)):
+            next_v = v[i, t + 1].item() if t + 1 < L else 0.0
+            last = r[i, t].item() + gamma * next_v - v[i, t].item() + gamma * lam * last
+            assert A[i, t].item() == pytest.approx(last, abs=1e-5)
+        assert torch.all(A[i, L:] == 0)
+
+
+def test_discounted_cumsum_ignores_padding():
+    x = torch.tensor([[1.0, 2.0, 99.0]])  # 99 sits on padding and must not leak into earlier steps
+    y = discounted_cumsum(x, torch.tensor([[1.0, 1.0, 0.0]]), 0.5)
+    assert torch.allclose(y, torch.tensor([[2.0, 2.0, 0.0]]))  # y0 = 1 + .5*2
+
+
+def test_grpo_drgrpo_rloo():
+    # two groups: rewards (1, 0, 0, 1) and (3, 3, 3, 3); reward on the last token of each sample
+    b = batch([[0.0, 1], [0, 0], [0, 0], [1, 0], [3, 0], [0, 3], [3, 0], [3, 0]],
+              [[1.0, 1], [1, 1], [1, 1], [1, 0], [1, 0], [1, 1], [1, 0], [1, 0]], group=[0] * 4 + [1] * 4)
+    A, _ = ADVANTAGES["grpo"](b, cfg(adv_eps=0.0))
+    # group 0: mean .5, unbiased std sqrt(4 * .25 / 3) = .57735 -> +-.5/.57735 = +-.866025
+    s = 0.5 / math.sqrt(1 / 3)
+    assert torch.allclose(A[:4], torch.tensor([[s, s], [-s, -s], [-s, -s], [s, 0]]), atol=1e-6)
+    assert torch.all(A[4:] == 0)  # equal rewards: zero advantage, no division by a zero std
+    A, _ = ADVANTAGES["grpo"](b, cfg(norm_std=False))  # Dr.GRPO: R - mean
+    assert torch.allclose(A[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    A, _ = ADVANTAGES["rloo"](b, cfg())
+    # 1 - mean(0, 0, 1) = 2/3;  0 - mean(1, 0, 1) = -2/3
+    assert torch.allclose(A[:4, 0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    assert torch.all(A[4:] == 0)
+
+
+def test_grpo_eps_is_added_to_std():
+    b = batch([[1.0], [0.0]], [[1.0], [1.0]], group=[0, 0])
+    A, _ = ADVANTAGES["grpo"](b, cfg(adv_eps=0.1))
+    # std unbiased of (1, 0) = .70711 -> .5 / (.70711 + .1) = .61949
+    assert A[0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 0.1), abs=1e-6)
+
+
+def agg(mode, max_len=None):
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([[1.0, 2, 3], [4, 0, 0]])
+    logp = torch.zeros(2, 3)
+    c = cfg(loss_agg=mode)
+    w = None if max_len is None else loss_weights(mask, c, max_len)
+    return pg_loss(logp, logp, adv, mask, c, weight=w)[0].item()  # ratio 1 -> l = -A
+
+
+def test_loss_aggregations():
+    assert agg("token_mean") == pytest.approx(-10 / 4)  # -(1+2+3+4) / 4 tokens
+    assert agg("seq_mean_token_mean") == pytest.approx(-(6 / 3 + 4 / 1) / 2)  # mean of per-seq means
+    assert agg("seq_mean_token_sum_norm") == pytest.approx(-10 / (2 * 3))  # / (N * T)
+    assert agg("seq_mean_token_sum_norm", max_len=5) == pytest.approx(-10 / (2 * 5))  # / (N * L_max)
+
+
+def one_token_loss(ratio, A, **kw):
+    logp = torch.tensor([[math.log(ratio)]])
+    loss, stats = pg_loss(logp, torch.zeros(1, 1), torch.tensor([[A]]), torch.ones(1, 1), cfg(**kw))
+    return loss.item(), stats
+
+
+def test_clip_branches():
+    assert one_token_loss(1.5, 1.0)[0] == pytest.approx(-1.2)  # min(1.5, 1.2) * 1
+    assert one_token_loss(1.5, 1.0, eps_high=0.28)[0] == pytest.approx(-1.28)  # clip-higher
+    assert one_token_loss(0.5, -1.0)[0] == pytest.approx(0.8)  # min(-.5, .8 * -1) = -.8
+    assert one_token_loss(0.5, 1.0)[0] == pytest.approx(-0.5)  # low ratio, A > 0: unclipped
+    loss, stats = one_token_loss(5.0, -1.0)  # min(-5, 1.2 * -1) = -5 -> l = 5
+    assert loss == pytest.approx(5.0) and stats["clipfrac"].item() == 0
+    assert one_token_loss(5.0, -1.0, dual_clip=3.0)[0] == pytest.approx(3.0)  # bounded by -c A
+    _, stats = one_token_loss(1.5, 1.0)
+    assert stats["clipfrac"].item() == 1 and stats["ratio_max"].item() == pytest.approx(1.5)
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([[0.5]]), torch.zeros(1, 1)  # d = .5
+    expected = {"k1": 0.5, "k2": 0.125, "k3": math.exp(-0.5) - 1 + 0.5}  # k3 = .60653 - .5 = .10653
+    for name, value in expected.items():
+        c = cfg(kl_coef=1.0, kl_estimator=name)
+        loss, stats = pg_loss(logp, logp, torch.zeros(1, 1), torch.ones(1, 1), c, ref_logp=ref)
+        assert loss.item() == pytest.approx(value) and stats["kl"].item() == pytest.approx(value)
+
+
+def test_k2_gradient_is_the_reverse_kl_gradient():
+    logp = torch.tensor([[0.3]], requires_grad=True)
+    c = cfg(kl_coef=1.0, kl_estimator="k2")
+    pg_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1), c, ref_logp=torch.zeros(1, 1))[0].backward()
+    assert logp.grad.item() == pytest.approx(0.3)  # d/dlogp of d^2/2 = d
+
+
+def test_entropy_bonus_and_tis_weight():
+    ent = torch.tensor([[2.0]])
+    loss, _ = pg_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                      cfg(ent_coef=0.1), entropy=ent)
+    assert loss.item() == pytest.approx(-1.0 - 0.2)  # -ratio*A - .1 * 2
+    old, sampler = torch.zeros(1, 1), torch.tensor([[-math.log(4.0)]])  # exp(old - sampler) = 4
+    loss, _ = pg_loss(old, old, torch.ones(1, 1), torch.ones(1, 1), cfg(tis_clip=2.0), sampler_logp=sampler)
+    assert loss.item() == pytest.approx(-2.0)  # weight min(4, 2) = 2
+
+
+def test_value_loss_clips_around_old_values():
+    w = torch.ones(1, 1)
+    c = cfg(vclip=0.2)
+    v = lambda x: torch.tensor([[x]])
+    # (2-3)^2 = 1 vs (1 + clip(1) = 1.2 - 3)^2 = 3.24 -> .5 * 3.24
+    assert value_loss(v(2.0), v(1.0), v(3.0), w, c).item() == pytest.approx(1.62)
+    # (.5-.4)^2 = .01 vs (1 + clip(-.5) = .8 - .4)^2 = .16 -> .5 * .16
+    assert value_loss(v(0.5), v(1.0), v(0.4), w, c).item() == pytest.approx(0.08)
+    assert value_loss(v(0.5), v(1.0), v(0.4), w, cfg(vclip=0.0)).item() == pytest.approx(0.005)
+
+
+def test_whiten_keeps_padding_zero():
+    x, mask = torch.tensor([[1.0, 3.0, 50.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    assert torch.allclose(whiten(x, mask), torch.tensor([[-1.0, 1.0, 0.0]]), atol=1e-6)

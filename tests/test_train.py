@@ -1,0 +1,122 @@
+"""The loop on control tasks: invariants (ratio 1, micro-batching, resume), NaN safety, smoke runs."""
+import copy
+import csv
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import train
+from algos import ADVANTAGES
+from config import Config
+from model import MLPPolicy
+from tasks import GymTask
+
+
+def rollout(cfg, seed=0):
+    torch.manual_seed(seed)
+    task = GymTask(cfg)
+    policy = MLPPolicy(task.obs_dim, task.n_actions, 16, critic=cfg.algo == "ppo")
+    return task, policy, task.rollout(policy, step=0)
+
+
+def test_rollout_shapes_groups_and_determinism():
+    cfg = Config(batch_size=6, group_size=3)
+    task, policy, _ = rollout(cfg)
+    state = torch.get_rng_state()
+    b = task.rollout(policy, step=0)
+    N, T = b.mask.shape
+    assert N == 6 and b.obs.shape == (6, T, 4) and b.actions.shape == (6, T)
+    assert torch.equal(b.mask.sum(1), b.rewards.sum(1))  # CartPole pays 1 per real step
+    assert torch.all(b.mask[:, :-1] >= b.mask[:, 1:])  # real steps form a prefix
+    assert b.group.tolist() == [0, 0, 0, 1, 1, 1]
+    assert torch.equal(b.obs[0, 0], b.obs[1, 0]) and not torch.equal(b.obs[0, 0], b.obs[3, 0])  # shared seed
+    torch.set_rng_state(state)
+    again = task.rollout(policy, step=0)
+    assert torch.equal(again.obs, b.obs) and torch.equal(again.actions, b.actions)
+
+
+def test_ratio_is_one_on_the_first_epoch():
+    cfg = Config(algo="ppo", epochs=3, minibatches=2)
+    _, policy, b = rollout(cfg)
+    train.score_old(policy, b, cfg)
+    b.adv, b.returns = ADVANTAGES["ppo"](b, cfg)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # no movement: every pass sees the old policy
+    stats = train.update(policy, opt, b, cfg, max_len=500)
+    assert stats["ratio"] == pytest.approx(1.0, abs=1e-6) and stats["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-7) and stats["clipfrac"] == 0
+
+
+@pytest.mark.parametrize("algo,agg", [("reinforce", "token_mean"), ("grpo", "seq_mean_token_mean"),
+                                      ("ppo", "seq_mean_token_sum_norm"), ("rloo", "token_mean")])
+def test_micro_batching_never_changes_the_gradient(algo, agg):
+    cfg = Config(algo=algo, loss_agg=agg, batch_size=8, group_size=2 if algo in ("grpo", "rloo") else 1,
+                 ent_coef=0.01)
+    _, policy, b = rollout(cfg)
+    train.score_old(policy, b, cfg)
+    b.adv, b.returns = ADVANTAGES[algo](b, cfg)
+    results = []
+    for micro in (0, 3):
+        p = copy.deepcopy(policy)
+        c = Config(**{**cfg.__dict__, "micro_batch": micro})
+        train.update(p, torch.optim.SGD(p.parameters(), lr=1.0), b, c, max_len=500)
+        results.append(torch.cat([x.flatten() for x in p.parameters()]))
+    assert not torch.equal(results[0], torch.cat([x.flatten() for x in policy.parameters()]))
+    assert torch.allclose(results[0], results[1], atol=1e-6)
+
+
+def test_nonfinite_loss_skips_the_update():
+    cfg = Config()
+    _, policy, b = rollout(cfg)
+    b.adv = torch.full_like(b.mask, float("nan"))
+    before = copy.deepcopy(policy.state_dict())
+    stats = train.update(policy, torch.optim.Adam(policy.parameters(), lr=0.1), b, cfg, max_len=500)
+    assert stats["nonfinite"] == 1
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def params_of(run_dir):
+    with safe_open(f"{run_dir}/checkpoint.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["flatrl"])
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "ppo"])
+def test_resume_equals_never_stopped(tmp_path, algo):
+    common = ["--config", f"configs/cartpole_{algo}.yaml", "--no-stop-when-solved", "--eval-every", "0"]
+    train.main(common + ["--steps", "4", "--out", str(tmp_path / "full")])
+    train.main(common + ["--steps", "2", "--out", str(tmp_path / "half")])
+    train.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
+    full, meta_full = params_of(tmp_path / "full")
+    half, meta_half = params_of(tmp_path / "half")
+    assert meta_full["step"] == meta_half["step"] == 4
+    assert full.keys() == half.keys() and all(torch.equal(full[k], half[k]) for k in full)
+    with open(tmp_path / "half" / "metrics.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2", "2", "3", "4"]  # 2 = stop + resume
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"])
+def test_two_step_smoke_per_algo(tmp_path, algo):
+    train.main(["--config", f"configs/cartpole_{algo}.yaml", "--steps", "2", "--out", str(tmp_path)])
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    cols = {"step", "time_s", "reward", "loss", "entropy", "approx_kl", "ratio", "clipfrac", "grad_norm", "eval_return"}
+    assert cols <= set(rows[0]) and [r["step"] for r in rows] == ["0", "1", "2"]
+    assert rows[0]["eval_return"] != "" and rows[1]["eval_return"] == ""  # eval at step 0, eval_every 5
+    assert (tmp_path / "curves.png").exists() and (tmp_path / "config.yaml").exists()
+
+
+def test_acrobot_runs(tmp_path):
+    train.main(["--task", "cartpole", "--env", "Acrobot-v1", "--steps", "1", "--batch-size", "2",
+                "--eval-episodes", "2", "--out", str(tmp_path)])
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert -500 <= float(rows[0]["eval_return"]) <= 0  # -1 per step, at most 500 steps
+
+
+def test_solves_cartpole_and_stops(tmp_path, capsys):
+    train.main(["--task", "cartpole", "--algo", "reinforce", "--out", str(tmp_path)])
+    with open(tmp_path / "metrics.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert float(last["eval_return"]) >= 475 and int(last["step"]) < 300
+    assert f"solved at step {last['step']}" in capsys.readouterr().out

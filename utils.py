@@ -1,0 +1,216 @@
+"""Shared pieces every file imports: the Batch type (the shape legend), masked reductions,
+discounted sums (returns, GAE), seeding, distributed helpers, checkpoints and the metrics logger.
+"""
+import csv
+import dataclasses
+import json
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step's samples, padded. N = sequences (prompts x group_size, or episodes),
+    T = padded steps / completion tokens, P = padded prompt tokens (LLM), D = observation size.
+
+    obs       [N, T, D] float observations (control)  |  [N, P + T] token ids, prompts left-padded (LLM)
+    actions   [N, T] long   the action taken / token sampled at each step
+    mask      [N, T] float  1 on real steps, 0 on padding (after the episode or completion ended)
+    rewards   [N, T] float  per-step reward; LLM tasks put the scalar reward on the last real token
+    group     [N]    long   samples with one id share a prompt (or an env reset seed)
+    truncated [N]    bool   cut by the step / token limit instead of ending by itself
+    attn      [N, P + T]    LLM attention mask (prompt padding and completion padding are 0)
+    The loop fills, all [N, T]: old_logp (policy that sampled, scored by the trainer), sampler_logp
+    (as reported by the sampler), ref_logp, values (old critic), adv, returns, weight (loss weights).
+    """
+    obs: torch.Tensor
+    actions: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor
+    group: torch.Tensor
+    truncated: torch.Tensor
+    attn: torch.Tensor = None
+    old_logp: torch.Tensor = None
+    sampler_logp: torch.Tensor = None
+    ref_logp: torch.Tensor = None
+    values: torch.Tensor = None
+    adv: torch.Tensor = None
+    returns: torch.Tensor = None
+    weight: torch.Tensor = None
+    version: int = 0  # weights version that sampled this batch (async)
+
+    def tensors(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def rows(self, idx):
+        """A new Batch holding rows idx of every tensor (never a view the caller could write through)."""
+        return dataclasses.replace(self, **{k: v[idx] for k, v in self.tensors().items()})
+
+    def to(self, device):
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    @property
+    def seq_reward(self):  # [N] total reward of each sample
+        return (self.rewards * self.mask).sum(1)
+
+
+# --- masked reductions ------------------------------------------------------------------------
+
+def masked_sum(x, mask, dim=None):
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    return masked_sum(x, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1)
+
+
+def whiten(x, mask, eps=1e-8):
+    """(x - mean) / std over the real tokens of every rank; padding stays 0."""
+    s = all_reduce_sum(torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()]))
+    mean = s[0] / s[2]
+    var = (s[1] / s[2] - mean**2).clamp(min=0)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def discounted_cumsum(x, mask, factor):
+    """y_t = sum_{s>=t} factor^(s-t) x_s over real steps, as one [T, T] matmul (no Python loop).
+    x [N, T], mask [N, T] (a prefix of ones per row)."""
+    T = x.shape[1]
+    t = torch.arange(T, device=x.device)
+    gap = (t[None, :] - t[:, None]).to(x.dtype)  # [T, T] s - t
+    powers = torch.where(gap >= 0, torch.pow(torch.as_tensor(factor, dtype=x.dtype), gap.clamp(min=0)), 0.0)
+    return (x * mask) @ powers.T * mask  # [N, T]
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l};
+    V after the last real step is 0 (episodes end, truncation is not bootstrapped). Returns (A, R = A + V)."""
+    next_v = torch.cat([values[:, 1:] * mask[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # [N, T]
+    delta = rewards + gamma * next_v - values
+    A = discounted_cumsum(delta, mask, gamma * lam)
+    return A, (A + values) * mask
+
+
+# --- seeding, distributed -----------------------------------------------------------------------
+
+def seed_all(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def dist_on():
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank():
+    return dist.get_rank() if dist_on() else 0
+
+
+def world():
+    return dist.get_world_size() if dist_on() else 1
+
+
+def all_reduce_sum(t):
+    """Sum a tensor over ranks in place (identity in a single process)."""
+    if dist_on():
+        dist.all_reduce(t)
+    return t
+
+
+# --- checkpoints: safetensors + JSON, no pickle -------------------------------------------------
+
+def save_checkpoint(path, params, opt, meta):
+    """params: name -> tensor; opt: a torch optimizer; meta: JSON-able. RNG states included."""
+    state = opt.state_dict()
+    tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in params.items()}
+    tensors["rng.torch"] = torch.get_rng_state()
+    for i, s in state["state"].items():
+        tensors.update({f"opt.{i}.{k}": v.cpu().contiguous() for k, v in s.items()})
+    meta = {**meta, "opt_groups": state["param_groups"], "rng_python": random.getstate()}
+    tmp = path + ".tmp"
+    save_file(tensors, tmp, metadata={"flatrl": json.dumps(meta)})
+    os.replace(tmp, path)  # a crash mid-write never leaves a half checkpoint behind
+
+
+def load_checkpoint(path, opt):
+    """-> (params name -> tensor, meta). Restores the optimizer and the RNG states."""
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        meta = json.loads(f.metadata()["flatrl"])
+    tensors = load_file(path)
+    state = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, i, name = k.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["opt_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    version, internal, gauss = meta["rng_python"]
+    random.setstate((version, tuple(internal), gauss))
+    return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
+
+
+# --- logging ------------------------------------------------------------------------------------
+
+class Logger:
+    """One call per step: a tqdm progress line and a metrics.csv row; curves.png at the end.
+    Everything is a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir, start, steps):
+        self.on = rank() == 0
+        self.path, self.rows, self.t0 = os.path.join(run_dir, "metrics.csv"), [], time.time()
+        self.bar = tqdm(total=steps + 1, initial=start, dynamic_ncols=True, disable=not self.on)
+        self.fields, self.last_eval = None, {}
+        if self.on and os.path.exists(self.path):  # resumed: keep the header and the curve so far
+            with open(self.path) as f:
+                reader = csv.DictReader(f)
+                self.rows = [{k: float(v) for k, v in r.items() if v != ""} for r in reader]
+                self.fields = reader.fieldnames
+
+    def say(self, msg):
+        if self.on:
+            tqdm.write(msg)
+
+    def log(self, row, show=("reward",)):
+        if not self.on:
+            return
+        self.rows.append(row)
+        new = self.fields is None
+        if new:  # step 0 is an eval step, so its row names every column
+            self.fields = list(row)
+        with open(self.path, "a", newline="") as f:
+            w = csv.DictWriter(f, self.fields, restval="", extrasaction="ignore")
+            if new and f.tell() == 0:
+                w.writeheader()
+            w.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+        self.last_eval = {k: v for k, v in row.items() if k.startswith("eval_")} or self.last_eval
+        post = {k: f"{row[k]:.3g}" for k in show if k in row}
+        post.update({k[5:]: f"{v:.3g}" for k, v in self.last_eval.items()})
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self, run_dir):
+        if not self.on:
+            return
+        self.bar.close()
+        import matplotlib  # only for the final plot: keeps it off the import path of every step
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, x in zip(axes, ("step", "time_s")):
+            for key in ("reward",) + tuple(k for k in self.fields or () if k.startswith("eval_")):
+                pts = [(r[x], r[key]) for r in self.rows if r.get(key) not in (None, "")]
+                if pts:
+                    ax.plot(*zip(*pts), label=key)
+            ax.set_xlabel(x)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(run_dir, "curves.png"))
+        plt.close(fig)
