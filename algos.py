@@ -27,7 +27,7 @@ def ppo(b, cfg):
     return whiten(A, b.mask), R
 
 
-def _group_stats(R, group):
+def group_stats(R, group):
     """-> (R - group mean, unbiased group std, group size), each [N] for samples sharing a group id.
     A group whose rewards are all equal gets exactly 0 (not float dust like 1e-17 / eps)."""
     _, idx, count = torch.unique(group, return_inverse=True, return_counts=True)
@@ -43,14 +43,14 @@ def _group_stats(R, group):
 def grpo(b, cfg):
     """A_i = (R_i - mean_g R) / (std_g R + adv_eps), std unbiased (arXiv 2402.03300), on every token of
     sample i. norm_std = false gives Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783)."""
-    centered, std, _ = _group_stats(b.seq_reward, b.group)  # [N]
+    centered, std, _ = group_stats(b.seq_reward, b.group)  # [N]
     A = torch.where(std > 0, centered / (std + cfg.adv_eps), 0.0) if cfg.norm_std else centered
     return A[:, None] * b.mask, None
 
 
 def rloo(b, cfg):
     """A_i = R_i - mean_{j != i} R_j = G / (G - 1) * (R_i - mean_g R), leave-one-out (arXiv 2402.14740)."""
-    centered, _, G = _group_stats(b.seq_reward, b.group)
+    centered, _, G = group_stats(b.seq_reward, b.group)
     return (G / (G - 1) * centered)[:, None] * b.mask, None
 
 

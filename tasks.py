@@ -4,19 +4,25 @@
     solved(metrics) -> bool             the task's threshold reached (ends the run early)
 Control tasks wrap gymnasium; LLM tasks are prompts + reward functions. TASKS maps --task to a class.
 """
+import json
+import os
 import random
+import re
+import time
+from fractions import Fraction
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from utils import Batch
+from utils import Batch, all_reduce_sum, rank, world
 
 
 class GymTask:
     """Any gymnasium env with discrete actions and a Box observation (CartPole-v1, Acrobot-v1, ...).
     The episodes of a batch are stepped together and acted on with ONE batched forward pass per step.
     group_size episodes share a reset seed, so grpo / rloo compare episodes from the same start."""
+    llm = False
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -36,7 +42,7 @@ class GymTask:
         seeds = [rng.randrange(2**31) for _ in range(self.cfg.batch_size // self.cfg.group_size)]
         return self.run(policy, [s for s in seeds for _ in range(self.cfg.group_size)], greedy=False)
 
-    def evaluate(self, policy):
+    def evaluate(self, policy, step):
         return {"eval_return": self.run(policy, self.eval_seeds, greedy=True).seq_reward.mean().item()}
 
     def solved(self, metrics):
@@ -71,4 +77,228 @@ class GymTask:
                      group=torch.arange(n) // self.cfg.group_size, truncated=torch.from_numpy(truncated))
 
 
-TASKS = {"cartpole": GymTask, "gym": GymTask}
+# --- LLM tasks: reward helpers -------------------------------------------------------------------
+
+def answer_tag(text):
+    """The content of the last <answer>...</answer> in text, or None."""
+    found = re.findall(r"<answer>(.*?)</answer>", text, re.S)
+    return found[-1].strip() if found else None
+
+
+def first_number(text):
+    m = re.search(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+    return float(m.group()) if m else None
+
+
+def numeric_match(prompt, completion, answer):
+    """1 if the first number of the reply (of its <answer> tag, when it has one) equals the answer."""
+    x = first_number(answer_tag(completion) or completion)
+    return float(x is not None and abs(x - float(answer)) < 1e-6)
+
+
+def format_reward(prompt, completion, answer):
+    """1 if the reply puts something in <answer>...</answer> tags."""
+    return float(bool(answer_tag(completion)))
+
+
+def overlong_penalty(n_tokens, max_new, buffer):
+    """DAPO's soft overlong penalty (arXiv 2503.14476): 0 up to max_new - buffer tokens, then
+    linearly down to -1 at max_new."""
+    return min(0.0, (max_new - buffer - n_tokens) / buffer) if buffer else 0.0
+
+
+def eval_expression(expr, numbers):
+    """Exact value (a Fraction) of an expression of numbers, + - * / and parentheses that uses each of
+    `numbers` exactly once; None for anything else. A small recursive-descent parser: no eval(), no
+    names, no powers, no unary minus, at most 200 characters (so the recursion stays shallow)."""
+    tokens = re.findall(r"\d+|\S", expr)
+    if len(expr) > 200 or any(not t.isdigit() and t not in "+-*/()" for t in tokens):
+        return None
+    pos, used = 0, []
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def atom():  # number | ( sum )
+        t = take()
+        if t == "(":
+            v = total()
+            if take() != ")":
+                raise ValueError
+            return v
+        if not t.isdigit():
+            raise ValueError
+        used.append(int(t))
+        return Fraction(int(t))
+
+    def product():
+        v = atom()
+        while peek() in ("*", "/"):
+            v = v * atom() if take() == "*" else v / atom()
+        return v
+
+    def total():
+        v = product()
+        while peek() in ("+", "-"):
+            v = v + product() if take() == "+" else v - product()
+        return v
+
+    try:
+        value = total()
+    except (ValueError, IndexError, ZeroDivisionError):
+        return None
+    return value if pos == len(tokens) and sorted(used) == sorted(numbers) else None
+
+
+# --- LLM tasks -------------------------------------------------------------------------------------
+
+class LLMTask:
+    """Prompts and weighted rewards. A new task is a subclass with problem(rng) -> (question, answer)
+    and, if it needs them, its own rewards / correct / build_prompt; then one line in TASKS.
+    Held-out: the first n_eval distinct problems of a fixed stream; training never draws those."""
+    llm = True
+    rewards = [(1.0, numeric_match)]  # (weight, fn(prompt, completion, answer) -> float), summed
+
+    def __init__(self, cfg):
+        self.cfg, self.max_len = cfg, cfg.max_new_tokens
+        self.eval_set = self.held_out()
+        self.held_keys = {q for q, _ in self.eval_set}
+
+    def problem(self, rng):
+        raise NotImplementedError
+
+    def held_out(self):
+        rng, found = random.Random(10**9), {}
+        for _ in range(1000 * self.cfg.n_eval):
+            if len(found) == self.cfg.n_eval:
+                return list(found.items())
+            q, a = self.problem(rng)
+            found.setdefault(q, a)
+        raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
+                         f"lower --n-eval (training needs the rest)")
+
+    def build_prompt(self, question):
+        return question
+
+    def correct(self, prompt, completion, answer):  # what accuracy and eval_acc count
+        return numeric_match(prompt, completion, answer)
+
+    def reward(self, prompt, completion, answer):
+        return sum(w * fn(prompt, completion, answer) for w, fn in self.rewards)
+
+    def train_problems(self, step):
+        """The batch_size / group_size (question, answer) pairs of a step, the same for every rank."""
+        rng, problems = random.Random(self.cfg.seed * 1_000_003 + step), []
+        while len(problems) < self.cfg.batch_size // self.cfg.group_size:
+            q, a = self.problem(rng)
+            if q not in self.held_keys:
+                problems.append((q, a))
+        return problems
+
+    def rollout(self, policy, step):
+        problems = self.train_problems(step)[rank()::world()]  # data parallel: each rank takes its share
+        prompts, G = [self.build_prompt(q) for q, _ in problems], self.cfg.group_size
+        t = time.time()
+        batch, texts = policy.generate(prompts, G)
+        gen_s, lengths = time.time() - t, batch.mask.sum(1)
+        args = [(prompts[i // G], c, problems[i // G][1]) for i, c in enumerate(texts)]
+        R = torch.tensor([self.reward(*x) + overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
+                          for x, n in zip(args, lengths.tolist())])
+        batch.rewards[torch.arange(len(R)), (lengths - 1).long()] = R  # the scalar reward on the last token
+        batch.stats = {"accuracy": sum(self.correct(*x) for x in args) / len(args),
+                       "gen_tok_s": lengths.sum().item() / gen_s}
+        return batch
+
+    def evaluate(self, policy, step):
+        """Greedy accuracy on the held-out prompts (eval_acc), pass@k with k samples at temperature
+        (eval_k > 0), and a few greedy completions appended to samples.jsonl."""
+        mine = self.eval_set[rank()::world()]
+        prompts = [self.build_prompt(q) for q, _ in mine]
+        _, texts = policy.generate(prompts, 1, greedy=True)
+        out = {"eval_acc": self.solved_fraction(mine, prompts, texts, 1)}
+        if self.cfg.eval_k:
+            _, sampled = policy.generate(prompts, self.cfg.eval_k)
+            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, sampled, self.cfg.eval_k)
+        if rank() == 0 and self.cfg.out:
+            with open(os.path.join(self.cfg.out, "samples.jsonl"), "a") as f:
+                for (q, a), c in list(zip(mine, texts))[:4]:
+                    f.write(json.dumps({"step": step, "prompt": q, "answer": str(a), "completion": c}) + "\n")
+        return out
+
+    def solved_fraction(self, problems, prompts, texts, k):
+        """Fraction of problems, over all ranks, with at least one of its k completions correct."""
+        hits = torch.tensor([self.correct(prompts[i // k], c, problems[i // k][1]) for i, c in enumerate(texts)])
+        total = all_reduce_sum(torch.stack([hits.view(-1, k).amax(1).sum(), torch.tensor(float(len(problems)))]))
+        return (total[0] / total[1]).item()
+
+    def solved(self, metrics):
+        return False
+
+
+class Arith(LLMTask):
+    """Generated arithmetic: 'What is a + b? Reply with just the number.' (--digits, --ops)."""
+
+    def problem(self, rng):
+        a, b = (rng.randint(10 ** (self.cfg.digits - 1) if self.cfg.digits > 1 else 1, 10**self.cfg.digits - 1)
+                for _ in range(2))
+        op = rng.choice(self.cfg.ops)
+        return f"What is {a} {op} {b}? Reply with just the number.", {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def countdown_correct(prompt, completion, answer):
+    """1 if the <answer> expression uses each of the numbers once and equals the target."""
+    numbers, target = answer
+    return float(eval_expression(answer_tag(completion) or "", numbers) == target)
+
+
+class Countdown(LLMTask):
+    """Reach a target with 3 or 4 numbers, each used exactly once, and + - * / (). Instances are built
+    from a random expression, so every one is solvable; rewarded 0.1 for <answer> tags, 1 if correct."""
+    rewards = [(0.1, format_reward), (1.0, countdown_correct)]
+
+    def problem(self, rng):
+        nums = [rng.randint(1, 20) for _ in range(rng.choice((3, 4)))]
+        pool = list(nums)
+        while len(pool) > 1:
+            x, y = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
+            op = rng.choice("+-*/" if x > y and x % y == 0 else "+*" if x <= y else "+-*")
+            pool.append({"+": x + y, "-": x - y, "*": x * y, "/": x // max(y, 1)}[op])
+        q = (f"Using the numbers {nums}, write an expression that equals {pool[0]}. Use each number exactly "
+             f"once, with + - * / and parentheses. Put the expression in <answer></answer> tags.")
+        return q, (nums, pool[0])
+
+    def correct(self, prompt, completion, answer):
+        return countdown_correct(prompt, completion, answer)
+
+
+class JsonlTask(LLMTask):
+    """Question / numeric answer rows from a local file (--data), GSM8K style: an answer may end in
+    '#### 42'. The last n_eval rows are held out."""
+    rewards = [(0.1, format_reward), (1.0, numeric_match)]
+
+    def __init__(self, cfg):
+        if not os.path.exists(cfg.data):
+            raise SystemExit(f"config error: task jsonl needs --data FILE.jsonl with question/answer rows (got {cfg.data!r})")
+        with open(cfg.data) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        if len(rows) <= cfg.n_eval:
+            raise SystemExit(f"config error: {cfg.data} has {len(rows)} rows; it needs more than --n-eval {cfg.n_eval}")
+        self.rows = [(r["question"], str(r["answer"]).split("####")[-1].strip().replace(",", "")) for r in rows]
+        super().__init__(cfg)
+
+    def held_out(self):
+        return self.rows[-self.cfg.n_eval:]
+
+    def problem(self, rng):
+        return self.rows[rng.randrange(len(self.rows) - self.cfg.n_eval)]
+
+    def build_prompt(self, question):
+        return question + "\nThink step by step, then put the final number in <answer></answer> tags."
+
+
+TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "jsonl": JsonlTask}

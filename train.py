@@ -1,7 +1,10 @@
-"""The training loop. Every step: 1 - rollout, 2 - advantage, 3 - update, 4 - log / evaluate / save.
+"""The training loop. Every step: evaluate when due, then 1 - rollout, 2 - advantage, 3 - update,
+4 - publish / log / save. Control tasks and language models run this same loop.
 
     python train.py --task cartpole --algo reinforce          # solves CartPole-v1 in seconds
     python train.py --config configs/cartpole_ppo.yaml        # a preset; flags override it
+    python train.py --config configs/arith_grpo_cpu.yaml      # LoRA GRPO on SmolLM2-135M, CPU
+    torchrun --nproc-per-node 2 train.py --config ...         # data parallel (gloo on CPU, nccl on GPU)
     python train.py --resume runs/cartpole-reinforce-<time>   # continue a run exactly where it stopped
 """
 import time
@@ -12,38 +15,55 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 
 import config as config_lib
-from algos import ADVANTAGES, loss_weights, pg_loss, value_loss
-from model import MLPPolicy
+from algos import ADVANTAGES, group_stats, loss_weights, pg_loss, value_loss
+from model import HFPolicy, MLPPolicy
 from tasks import TASKS
-from utils import Logger, load_checkpoint, save_checkpoint, seed_all
+from utils import Logger, all_reduce_sum, load_checkpoint, rank, save_checkpoint, seed_all, world
 
 
 def build(cfg):
     if cfg.task not in TASKS:
         raise SystemExit(f"config error: task {cfg.task!r} is unknown; pick one of {', '.join(TASKS)}")
     task = TASKS[cfg.task](cfg)
-    policy = MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
-    return task, policy
+    if cfg.kl_coef and not task.llm:
+        raise SystemExit("config error: the KL penalty needs a reference model (LLM tasks); set --kl-coef 0")
+    if task.llm:
+        return task, HFPolicy(cfg)
+    return task, MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
 
 
 def chunks(n, size):
-    """Row indices 0..n-1 in pieces of at most `size` (0 = one piece)."""
-    return torch.arange(n).split(size or n)
+    """Row indices 0..n-1 in pieces of at most `size` (0 = one piece; none when n = 0)."""
+    return torch.arange(n).split(size or n) if n else []
 
 
 def score_old(policy, batch, cfg):
-    """No-grad pass that fixes what the update compares against: old_logp before the first of several
-    updates, and the old critic's values (ppo). With one update per batch and no critic it is skipped:
-    the update's own forward pass provides old_logp (the ratio is then exactly 1)."""
-    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo":
+    """No-grad pass under the weights that sampled the batch, fixing what the update compares against:
+    old_logp before the first of several updates, the old critic's values (ppo), ref_logp (KL). With
+    one update per batch and none of those it is skipped: the update's own forward pass provides
+    old_logp (the ratio is then exactly 1, and one forward pass is saved)."""
+    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef:
         return
     with torch.no_grad():
         outs = [policy.score(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]
-    batch.old_logp = torch.cat([o["logp"] for o in outs])  # [N, T]
+        if cfg.kl_coef:
+            batch.ref_logp = torch.cat([policy.ref_logp(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]).cpu()
+    batch.old_logp = torch.cat([o["logp"] for o in outs]).cpu()  # [N, T]
     if outs[0]["value"] is not None:
-        batch.values = torch.cat([o["value"] for o in outs]) * batch.mask  # [N, T]
+        batch.values = torch.cat([o["value"] for o in outs]).cpu() * batch.mask  # [N, T]
+    if cfg.kl_in_reward:  # per-token reward r_t - kl_coef * (logp - ref_logp); no KL term in the loss
+        batch.rewards = batch.rewards - cfg.kl_coef * (batch.old_logp - batch.ref_logp) * batch.mask
+        batch.ref_logp = None
+
+
+def can_skip_zero(cfg):
+    """Rows with A = 0 on every token (zero-variance groups) add exactly 0 to the loss and its gradient
+    when nothing else is in the loss: no KL, entropy or value term. Then their forward and backward
+    are skipped; the loss weights were computed over all rows, so the gradient is unchanged."""
+    return not ((cfg.kl_coef and not cfg.kl_in_reward) or cfg.ent_coef or cfg.algo == "ppo")
 
 
 def update(policy, opt, batch, cfg, max_len):
@@ -52,16 +72,20 @@ def update(policy, opt, batch, cfg, max_len):
     never changes the gradient. A non-finite loss or gradient skips that optimizer step untouched."""
     sums, losses, skipped, norms = {}, [], 0, []
     params = [p for p in policy.parameters() if p.requires_grad]
+    skip_zero = can_skip_zero(cfg)
     for _ in range(cfg.epochs):
         order = torch.randperm(len(batch.mask)) if cfg.minibatches > 1 else torch.arange(len(batch.mask))
         for rows in order.chunk(cfg.minibatches):
             mb = batch.rows(rows)
-            mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T]
+            mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators
+            if skip_zero:
+                mb = mb.rows((mb.adv != 0).any(1).nonzero()[:, 0])
             total = 0.0
-            for idx in chunks(len(rows), cfg.micro_batch):
+            for idx in chunks(len(mb.mask), cfg.micro_batch):
                 micro = mb.rows(idx)
                 out = policy.score(micro)
                 old = micro.old_logp if micro.old_logp is not None else out["logp"].detach()
+                micro = micro.to(out["logp"].device)
                 loss, stats = pg_loss(out["logp"], old, micro.adv, micro.mask, cfg, micro.weight,
                                       out["entropy"], micro.ref_logp, micro.sampler_logp)
                 if out["value"] is not None:
@@ -73,6 +97,12 @@ def update(policy, opt, batch, cfg, max_len):
                 loss.backward()
                 for k, v in stats.items():
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
+            if world() > 1:  # the loss weights carry global denominators, so gradients are SUMMED
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    all_reduce_sum(p.grad)
+                total = all_reduce_sum(torch.tensor(total)).item()  # one rank's NaN skips the step everywhere
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
             if math.isfinite(total) and torch.isfinite(norm):
                 opt.step()
@@ -87,45 +117,70 @@ def update(policy, opt, batch, cfg, max_len):
             "nonfinite": skipped, **out}
 
 
-def main(argv=None):
-    cfg = config_lib.parse(argv)
+def batch_metrics(batch, cfg):
+    """What the batch itself says: reward and its spread, lengths, truncation, zero-variance groups."""
+    R = batch.seq_reward  # [N]
+    out = {"reward": R.mean().item(), "reward_std": R.std().item() if len(R) > 1 else 0.0,
+           "length": batch.mask.sum(1).mean().item(), "truncated": batch.truncated.float().mean().item()}
+    if cfg.group_size > 1:  # groups that teach nothing under grpo / rloo: every sample got the same reward
+        out["zero_var_groups"] = (group_stats(R, batch.group)[1] == 0).float().mean().item()
+    return {**out, **batch.stats}
+
+
+def setup(cfg):
+    """Run directory, data parallelism (torchrun sets WORLD_SIZE: gloo on CPU, nccl on GPU), seeds."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+        cfg.device = f"cuda:{os.environ['LOCAL_RANK']}" if cfg.device.startswith("cuda") else cfg.device
     cfg.out = cfg.resume or cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     os.makedirs(cfg.out, exist_ok=True)
-    config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
-    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
-    seed_all(cfg.seed)
+    if rank() == 0:
+        config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
+    seed_all(cfg.seed + rank())  # ranks sample different completions of their different prompts
+
+
+def main(argv=None):
+    cfg = config_lib.parse(argv)
+    setup(cfg)
     task, policy = build(cfg)
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
-    start, t_offset = 0, 0.0
+    ckpt_path, start, t_offset = os.path.join(cfg.out, "checkpoint.safetensors"), 0, 0.0
     if cfg.resume:
         params, meta = load_checkpoint(ckpt_path, opt)
         policy.load_state_dict(params, strict=False)
+        policy.publish()  # the sampler must start from the restored weights too
         start, t_offset = meta["step"], meta["time_s"] - (time.time() - T0)
+    clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
     log = Logger(cfg.out, start, cfg.steps)
 
     def save(step):
-        save_checkpoint(ckpt_path, policy.params(), opt, {"step": step, "time_s": time.time() - T0 + t_offset})
+        if rank() == 0:
+            save_checkpoint(ckpt_path, policy.params(), opt, {"step": step, "time_s": clock()})
+            if task.llm:  # the adapter in PEFT format too, loadable without flatrl
+                policy.save_adapter(os.path.join(cfg.out, "adapter"))
 
     for step in range(start, cfg.steps + 1):
         row = {"step": step}
         if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
-            row.update(task.evaluate(policy))  # greedy on held-out seeds; step 0 is before any update
+            row.update(task.evaluate(policy, step))  # greedy, held out; step 0 is before any update
         solved = cfg.stop_when_solved and task.solved(row)
         if solved or step == cfg.steps:
-            log.log({**row, "time_s": time.time() - T0 + t_offset})
+            log.log({**row, "time_s": clock()})
             if solved:
-                log.say(f"solved at step {step} after {time.time() - T0 + t_offset:.1f} s")
+                log.say(f"solved at step {step} after {clock():.1f} s")
             break
         # 1 - rollout
         batch = task.rollout(policy, step)
-        # 2 - advantage (under the weights that sampled the batch)
+        # 2 - advantage, under the weights that sampled the batch
+        t = time.time()
         score_old(policy, batch, cfg)
         batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
         # 3 - update
         stats = update(policy, opt, batch, cfg, task.max_len)
-        # 4 - log, save
-        log.log({**row, "time_s": time.time() - T0 + t_offset, "reward": batch.seq_reward.mean().item(),
-                 "length": batch.mask.sum(1).mean().item(), **stats})
+        stats["train_tok_s"] = batch.mask.sum().item() / (time.time() - t)
+        # 4 - publish, log, save
+        policy.publish()
+        log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats})
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             save(step + 1)
     save(step)

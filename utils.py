@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import random
-import time
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ class Batch:
     returns: torch.Tensor = None
     weight: torch.Tensor = None
     version: int = 0  # weights version that sampled this batch (async)
+    stats: dict = dataclasses.field(default_factory=dict)  # the task's per-step metrics (accuracy, ...)
 
     def tensors(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -165,7 +165,7 @@ class Logger:
 
     def __init__(self, run_dir, start, steps):
         self.on = rank() == 0
-        self.path, self.rows, self.t0 = os.path.join(run_dir, "metrics.csv"), [], time.time()
+        self.path, self.rows = os.path.join(run_dir, "metrics.csv"), []
         self.bar = tqdm(total=steps + 1, initial=start, dynamic_ncols=True, disable=not self.on)
         self.fields, self.last_eval = None, {}
         if self.on and os.path.exists(self.path):  # resumed: keep the header and the curve so far
@@ -182,14 +182,16 @@ class Logger:
         if not self.on:
             return
         self.rows.append(row)
-        new = self.fields is None
-        if new:  # step 0 is an eval step, so its row names every column
-            self.fields = list(row)
-        with open(self.path, "a", newline="") as f:
-            w = csv.DictWriter(f, self.fields, restval="", extrasaction="ignore")
-            if new and f.tell() == 0:
+        fmt = lambda r: {k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()}  # noqa: E731
+        if self.fields is None or not row.keys() <= set(self.fields):  # a new column: rewrite with it
+            self.fields = list(dict.fromkeys([*(self.fields or []), *row]))
+            with open(self.path, "w", newline="") as f:
+                w = csv.DictWriter(f, self.fields, restval="")
                 w.writeheader()
-            w.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+                w.writerows(map(fmt, self.rows))
+        else:
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, self.fields, restval="").writerow(fmt(row))
         self.last_eval = {k: v for k, v in row.items() if k.startswith("eval_")} or self.last_eval
         post = {k: f"{row[k]:.3g}" for k in show if k in row}
         post.update({k[5:]: f"{v:.3g}" for k, v in self.last_eval.items()})

@@ -45,3 +45,11 @@ def test_unknown_yaml_key_names_the_closest(tmp_path):
 def test_every_field_has_a_help_comment():
     helps = config._field_help()
     assert set(helps) == {f.name for f in config.dataclasses.fields(config.Config)}
+
+
+def test_every_preset_parses():
+    import glob
+    presets = glob.glob("configs/*.yaml")
+    assert len(presets) >= 10
+    for path in presets:
+        assert config.parse(["--config", path]).algo in config.ALGOS

@@ -1,0 +1,121 @@
+"""flatrl vs TRL's GRPOTrainer on identical work, side by side in one run, alternating:
+SmolLM2-135M-Instruct + LoRA r=16 (alpha 32, q/k/v/o/gate/up/down), arith prompts "What is a + b?
+Reply with just the number." (the same 8 prompts per step for both, in order), reward 1 when the
+first number of the reply is a + b, 4 completions per prompt, at most 32 new tokens, temperature 1,
+no KL, one optimizer step per batch, Adam lr 3e-4 constant, token-mean loss (TRL's "dapo" default).
+Both train under bf16 autocast (TRL's default; flatrl's where the CPU has AVX512-BF16). TRL keeps its
+other defaults except gradient checkpointing, turned off so that it does not pay for memory it does
+not need here (pass --trl-grad-ckpt for its default).
+
+    pip install trl && python -c "import model; model.cache_smollm2()"
+    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 10 --rounds 2
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+TRL = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from config import Config
+from tasks import Arith, numeric_match
+
+steps, seed, ckpt, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+cfg = Config(task="arith", digits=1, ops="+", batch_size=32, group_size=4, n_eval=32, seed=seed)
+task = Arith(cfg)
+rows = [{{"prompt": [{{"role": "user", "content": q}}], "answer": a}}  # flatrl's prompts, in its order
+        for step in range(steps) for q, a in task.train_problems(step)]
+
+def reward(completions, answer, **kw):
+    return [numeric_match(None, c[0]["content"], a) for c, a in zip(completions, answer)]
+
+times, rewards = [], []
+class Clock(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        times.append(time.time())
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "reward" in logs:
+            rewards.append(logs["reward"])
+
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=32, num_generations=4, max_completion_length=32,
+                  temperature=1.0, beta=0.0, num_iterations=1, learning_rate=3e-4, lr_scheduler_type="constant",
+                  warmup_steps=0, max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
+                  report_to=[], shuffle_dataset=False, seed=seed, use_cpu=True, gradient_checkpointing=ckpt)
+peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+trainer = GRPOTrainer(model={model!r}, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                      peft_config=peft, callbacks=[Clock()])
+t0 = time.time()
+trainer.train()
+step_s = [b - a for a, b in zip([t0] + times[:-1], times)]
+print("RESULT " + json.dumps({{"step_s": step_s, "reward": rewards}}))
+"""
+
+
+def run_flatrl(steps, seed):
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--steps", str(steps),
+               "--eval-every", "0", "--seed", str(seed), "--out", d]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        with open(f"{d}/metrics.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r["reward"]]
+    t = [float(r["time_s"]) for r in rows]
+    return {"step_s": [b - a for a, b in zip(t, t[1:])], "reward": [float(r["reward"]) for r in rows],
+            "gen_tok_s": [float(r["gen_tok_s"]) for r in rows], "train_tok_s": [float(r["train_tok_s"]) for r in rows]}
+
+
+def run_trl(steps, seed, ckpt):
+    with tempfile.TemporaryDirectory() as d:
+        code = TRL.format(root=ROOT, model=MODEL)
+        out = subprocess.run([sys.executable, "-c", code, str(steps), str(seed), str(int(ckpt)), d], cwd=ROOT,
+                             capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr[-3000:])
+    res = json.loads(out.stdout.split("RESULT ")[-1])
+    res["step_s"] = res["step_s"][1:]  # the first step also pays for TRL's lazy set-up
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-grad-ckpt", action="store_true")
+    a = p.parse_args()
+    res = {"flatrl": [], "trl": []}
+    for r in range(a.rounds):  # alternate: flatrl, TRL, flatrl, TRL, ...
+        res["flatrl"].append(run_flatrl(a.steps, a.seed))
+        print(f"round {r} flatrl: median {statistics.median(res['flatrl'][-1]['step_s']):.2f} s/step", flush=True)
+        res["trl"].append(run_trl(a.steps, a.seed, a.trl_grad_ckpt))
+        print(f"round {r} trl:    median {statistics.median(res['trl'][-1]['step_s']):.2f} s/step", flush=True)
+    med = {k: statistics.median(s for run in v for s in run["step_s"]) for k, v in res.items()}
+    last = {k: statistics.mean(x for run in v for x in run["reward"][-3:]) for k, v in res.items()}
+    first = {k: statistics.mean(x for run in v for x in run["reward"][:3]) for k, v in res.items()}
+    print(f"\n| | s/step (median) | train reward, first 3 steps | train reward, last 3 of {a.steps} |")
+    print("|---|---|---|---|")
+    for k in res:
+        print(f"| {k} | {med[k]:.2f} | {first[k]:.3f} | {last[k]:.3f} |")
+    print(f"\nflatrl / TRL seconds per step: {med['flatrl'] / med['trl']:.2f}x")
+    f = res["flatrl"]
+    print(f"flatrl generation {statistics.median(x for run in f for x in run['gen_tok_s']):.0f} tok/s, "
+          f"training {statistics.median(x for run in f for x in run['train_tok_s']):.0f} tok/s (completion tokens)")
+    for k in res:
+        print(k, "reward per step:", [round(statistics.mean(step), 3) for step in zip(*(run["reward"] for run in res[k]))])
+
+
+if __name__ == "__main__":
+    main()

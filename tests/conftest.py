@@ -1,0 +1,40 @@
+"""Shared fixtures: a tiny Llama and a character-level tokenizer, built in-process (no network)."""
+import string
+
+import pytest
+
+SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARS = list(string.ascii_letters + string.digits + " +-*/()<>=?.,:\n")
+STOPS = list("xyzXYZ")  # extra stop tokens the "hub" generation config declares
+
+
+def make_tiny_llm(path, seed=0):
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                  unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}A:{% endif %}")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    # A hub config with sampling knobs that would bias the sampler if they leaked into generate().
+    model.generation_config = GenerationConfig(eos_token_id=[1] + [vocab[c] for c in STOPS], pad_token_id=0,
+                                               bos_token_id=2, do_sample=True, top_k=3, top_p=0.5,
+                                               repetition_penalty=1.8, temperature=0.3)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory):
+    return make_tiny_llm(tmp_path_factory.mktemp("tiny_llm"))

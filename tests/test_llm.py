@@ -1,0 +1,344 @@
+"""The LLM rung on a tiny in-process Llama: sampling, scoring, update invariants, data parallelism,
+adapters, resume; and the reward helpers. The SmolLM2 test at the end is slow-marked."""
+import copy
+import csv
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import train
+from algos import ADVANTAGES
+from config import Config
+from model import HFPolicy, pack
+from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
+                   numeric_match, overlong_penalty)
+from utils import Batch
+
+FAST_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def llm_cfg(path, **kw):
+    base = dict(task="arith", model=path, algo="grpo", batch_size=8, group_size=2, max_new_tokens=8, n_eval=4,
+                gen_batch=8, gen_dtype="float32", bf16=False, lora_r=4, lora_alpha=8, lr=0.01)
+    return Config(**{**base, **kw}).validate()
+
+
+class Digits(Arith):
+    """A reward a random tiny model earns sometimes: the share of digits in its reply."""
+    rewards = [(1.0, lambda p, c, a: sum(ch.isdigit() for ch in c) / 8)]
+
+
+@pytest.fixture
+def digits_task(monkeypatch):
+    monkeypatch.setitem(TASKS, "digits", Digits)
+
+
+def sampled(policy, cfg, seed=0):
+    torch.manual_seed(seed)
+    task = Digits(cfg)
+    batch = task.rollout(policy, step=0)
+    return task, batch
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"])
+def test_two_step_train_per_algo(tiny_llm, tmp_path, digits_task, algo):
+    train.main(["--task", "digits", "--model", tiny_llm, "--algo", algo, "--steps", "2", "--batch-size", "8",
+                "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01",
+                "--out", str(tmp_path)])
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2"] and rows[0]["eval_acc"] != ""
+    for col in ("reward", "reward_std", "accuracy", "zero_var_groups", "truncated", "length", "entropy",
+                "ratio", "ratio_max", "clipfrac", "grad_norm", "gen_tok_s", "train_tok_s"):
+        assert rows[1][col] != "", col
+    ckpt = load_file(tmp_path / "checkpoint.safetensors")
+    lora_b = [v for k, v in ckpt.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # PEFT starts B at 0: the adapter trained
+    assert any("value_head" in k for k in ckpt) == (algo == "ppo")
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "samples.jsonl").read_text().count('"step": 0') == 4
+
+
+def test_sampling_knobs_off_and_temperature_matched(tiny_llm):
+    cfg = llm_cfg(tiny_llm, temperature=0.7, max_new_tokens=6)
+    policy = HFPolicy(cfg)
+    assert policy.stop_ids == sorted([1] + [policy.tok.convert_tokens_to_ids(c) for c in "XYZxyz"])
+
+    def sampler_logp(gen_config):
+        torch.manual_seed(0)
+        rows = [policy.prompt_ids(f"What is {i} + 1?") for i in range(6)]
+        obs, attn, _ = pack(rows, [[]] * len(rows), policy.pad_id)
+        out = policy.generator.lm.generate(input_ids=obs, attention_mask=attn, generation_config=gen_config,
+                                           output_scores=True, return_dict_in_generate=True)
+        comps = [policy.generator.cut(c) for c in out.sequences[:, obs.shape[1]:].tolist()]
+        o, a, mask = pack(rows, comps, policy.pad_id)
+        batch = Batch(obs=o, actions=o[:, o.shape[1] - mask.shape[1]:], mask=mask, rewards=mask, group=None,
+                      truncated=None, attn=a)
+        scores = torch.stack(out.scores, 1)[:, :mask.shape[1]]  # [N, T, V] after the logits processors
+        logp = torch.log_softmax(scores, -1).gather(-1, batch.actions[..., None])[..., 0]
+        with torch.no_grad():
+            return logp * mask, policy.score(batch)["logp"] * mask
+
+    ours, trainer = sampler_logp(policy.generator.config(greedy=False))
+    assert torch.allclose(ours, trainer, atol=1e-5)  # the sampler draws from softmax(logits / T) exactly
+    hub = GenerationConfig.from_pretrained(tiny_llm)  # top_k=3, top_p=.5, repetition_penalty=1.8
+    hub.max_new_tokens = 6
+    biased, trainer = sampler_logp(hub)
+    assert not torch.allclose(biased, trainer, atol=1e-2)  # what leaking the hub's knobs would cost
+
+
+def test_stop_tokens_and_truncation_flags(tiny_llm):
+    cfg = llm_cfg(tiny_llm, max_new_tokens=6, gen_batch=16)
+    policy = HFPolicy(cfg)
+    torch.manual_seed(1)
+    batch, texts = policy.generate([f"What is {i} + {i}?" for i in range(16)], n=2)
+    lengths = batch.mask.sum(1).long()
+    assert batch.actions.shape[1] == int(lengths.max()) <= 6
+    for row, n, trunc in zip(batch.actions, lengths, batch.truncated):
+        toks = row[:n].tolist()
+        assert not any(t in policy.stop_ids for t in toks[:-1])  # cut at the first stop token
+        assert trunc == (toks[-1] not in policy.stop_ids) and (not trunc or n == 6)
+        assert torch.all(row[n:] == policy.pad_id)
+    assert 0 < batch.truncated.sum() < len(lengths)  # both kinds occur in this sample
+
+
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.skipif(not FAST_BF16, reason="no fast bf16 CPU"))])
+def test_old_logp_from_the_update_equals_a_scoring_pass(tiny_llm, bf16):
+    cfg = llm_cfg(tiny_llm, bf16=bf16)
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg)
+    with torch.no_grad():
+        scored = policy.score(batch)["logp"]
+    in_update = policy.score(batch)["logp"]  # the pass the update takes its old_logp from
+    assert in_update.requires_grad and torch.equal(in_update.detach(), scored)
+
+
+def updated(policy, batch, cfg):
+    p = copy.deepcopy(policy)
+    train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, cfg.max_new_tokens)
+    return torch.cat([x.detach().flatten() for x in p.params().values()])
+
+
+def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):
+    cfg = llm_cfg(tiny_llm)
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg)
+    batch.rewards = torch.zeros_like(batch.mask)
+    batch.rewards[0, 0], batch.rewards[3, 0] = 1.0, 0.5  # groups 0 and 1 vary; groups 2 and 3 do not
+    batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+
+    def run(skip):
+        p, rows = copy.deepcopy(policy), []
+        score = p.score
+        p.score = lambda b: rows.append(len(b.mask)) or score(b)
+        monkeypatch.setattr(train, "can_skip_zero", lambda cfg: skip)
+        train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, 8)
+        return torch.cat([x.detach().flatten() for x in p.params().values()]), sum(rows)
+
+    assert train.can_skip_zero(cfg)
+    (skipped, n_skip), (full, n_full) = run(True), run(False)
+    assert (n_skip, n_full) == (4, 8)  # the two zero-variance groups never reach the model
+    assert not torch.equal(full, torch.cat([x.detach().flatten() for x in policy.params().values()]))
+    assert torch.allclose(skipped, full, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("algo,agg", [("grpo", "token_mean"), ("ppo", "seq_mean_token_sum_norm"),
+                                      ("rloo", "seq_mean_token_mean")])
+def test_micro_batch_equals_one_shot(tiny_llm, algo, agg):
+    cfg = llm_cfg(tiny_llm, algo=algo, loss_agg=agg, gamma=1.0, lam=1.0)
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg)
+    train.score_old(policy, batch, cfg)
+    batch.adv, batch.returns = ADVANTAGES[algo](batch, cfg)
+    one = updated(policy, batch, cfg)
+    micro = updated(policy, batch, dataclasses.replace(cfg, micro_batch=3))
+    assert not torch.equal(one, torch.cat([x.detach().flatten() for x in policy.params().values()]))
+    assert torch.allclose(one, micro, atol=1e-6, rtol=0)
+
+
+def _rank_main(r, port, cfg, batch_file, out_file):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)
+    batch = Batch(**load_file(batch_file))
+    half = len(batch.mask) // 2
+    mine = batch.rows(torch.arange(r * half, (r + 1) * half))  # whole groups: each rank has 2 prompts x 2
+    mine.adv, _ = ADVANTAGES[cfg.algo](mine, cfg)
+    params = updated(policy, mine, cfg)
+    if r == 0:
+        save_file({"params": params}, out_file)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_two_gloo_ranks_equal_one_process(tiny_llm, tmp_path, agg):
+    cfg = llm_cfg(tiny_llm, loss_agg=agg)
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg, seed=3)
+    batch.rewards = torch.rand_like(batch.mask) * batch.mask  # every group varies
+    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
+    batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+    single = updated(policy, batch, cfg)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(port, cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")), nprocs=2)
+    assert torch.allclose(load_file(tmp_path / "out.safetensors")["params"], single, atol=1e-6, rtol=0)
+
+
+def test_lora_adapter_round_trip(tiny_llm, tmp_path):
+    from peft import PeftModel
+    cfg = llm_cfg(tiny_llm)
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg)
+    batch.rewards = torch.rand_like(batch.mask) * batch.mask
+    batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+    train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch, cfg, 8)
+    policy.save_adapter(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llm), tmp_path / "adapter")
+    with torch.no_grad():
+        ours = policy.lm(input_ids=batch.obs, attention_mask=batch.attn).logits
+        theirs = loaded(input_ids=batch.obs, attention_mask=batch.attn).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_llm)(input_ids=batch.obs, attention_mask=batch.attn).logits
+    assert torch.allclose(ours, theirs, atol=1e-6) and not torch.allclose(ours, base, atol=1e-3)
+
+
+def test_publish_hands_the_trained_weights_to_the_generator(tiny_llm):
+    cfg = llm_cfg(tiny_llm)
+    policy = HFPolicy(cfg)
+    for name, p in policy.lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    rows = [policy.prompt_ids("What is 1 + 1?")]
+    obs, attn, _ = pack(rows, [[]], policy.pad_id)
+    with torch.no_grad():
+        before = policy.generator.lm(input_ids=obs, attention_mask=attn).logits
+        policy.publish()
+        after = policy.generator.lm(input_ids=obs, attention_mask=attn).logits
+        trainer = policy.lm(input_ids=obs, attention_mask=attn).logits
+    assert not torch.allclose(before, trainer, atol=1e-3) and torch.allclose(after, trainer, atol=1e-5)
+
+
+def test_llm_resume_equals_never_stopped(tiny_llm, tmp_path, digits_task):
+    common = ["--task", "digits", "--model", tiny_llm, "--algo", "rloo", "--batch-size", "8", "--group-size", "2",
+              "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01", "--eval-every", "0",
+              "--gen-dtype", "float32"]
+    train.main(common + ["--steps", "3", "--out", str(tmp_path / "full")])
+    train.main(common + ["--steps", "1", "--out", str(tmp_path / "half")])
+    train.main(["--resume", str(tmp_path / "half"), "--steps", "3"])
+    full, half = (load_file(tmp_path / d / "checkpoint.safetensors") for d in ("full", "half"))
+    assert full.keys() == half.keys() and all(torch.equal(full[k], half[k]) for k in full)
+
+
+# --- reward helpers and the countdown evaluator ----------------------------------------------------
+
+def test_reward_helpers():
+    assert answer_tag("so <answer> 12 </answer> or <answer>13</answer>") == "13"
+    assert answer_tag("no tags") is None
+    assert numeric_match(None, "The answer is 12.", 12) == 1.0
+    assert numeric_match(None, "7 + 5 = 12", 12) == 0.0  # the FIRST number counts
+    assert numeric_match(None, "think: 7 + 5 <answer>12</answer>", 12) == 1.0  # the tag wins
+    assert numeric_match(None, "It is -3", -3) == 1.0 and numeric_match(None, "1,234", 1234) == 1.0
+    assert numeric_match(None, "no number", 0) == 0.0
+    assert format_reward(None, "<answer>1</answer>", None) == 1.0 and format_reward(None, "<answer></answer>", None) == 0.0
+    # max 32, buffer 8: free up to 24 tokens, then -(n - 24) / 8
+    assert [overlong_penalty(n, 32, 8) for n in (10, 24, 28, 32)] == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(32, 32, 0) == 0.0  # off
+
+
+@pytest.mark.parametrize("expr,numbers,value", [
+    ("(3 + 5) * 2", [3, 5, 2], 16),
+    ("2*(5+3)", [2, 3, 5], 16),             # order of the numbers is free
+    ("(7 - 1) / 4 * 2", [7, 1, 4, 2], 3),   # exact fractions: 6/4*2 = 3
+    ("10 / 4", [10, 4], 2.5),
+    ("3 + 3", [3, 5], None),                # a number used twice, one unused
+    ("3 + 5", [3, 5, 2], None),             # a number left out
+    ("1 / (2 - 2)", [1, 2, 2], None),       # division by zero
+    ("2 ** 3", [2, 3], None),               # no powers
+    ("-3 + 5", [3, 5], None),               # no unary minus
+    ("__import__('os').system('true')", [], None),
+    ("3 5", [3, 5], None),                  # two numbers, no operator
+    ("(" * 150 + "1" + ")" * 150, [1], None),  # over 200 characters
+    ("((1 + 2)", [1, 2], None),             # unbalanced
+])
+def test_countdown_evaluator(expr, numbers, value):
+    got = eval_expression(expr, numbers)
+    assert (got is None) if value is None else got == value
+
+
+def test_countdown_instances_and_reward():
+    from tasks import Countdown
+    task = Countdown(Config(task="countdown", n_eval=8))
+    for q, (nums, target) in task.eval_set:
+        assert 3 <= len(nums) <= 4 and isinstance(target, int) and target >= 0 and str(target) in q
+    q, (nums, target) = task.eval_set[0]
+    a, b, c = nums[:3]
+    assert countdown_correct(q, "<answer>1 + 1</answer>", ([1, 1], 2)) == 1.0
+    assert task.reward(q, "<answer>1 + 1</answer>", ([1, 1], 3)) == pytest.approx(0.1)  # format only
+
+
+def test_held_out_prompts_never_train():
+    task = Arith(Config(task="arith", n_eval=32, batch_size=64, group_size=4))
+    held = {q for q, _ in task.eval_set}
+    assert len(held) == 32
+    for step in range(20):
+        assert not held & {q for q, _ in task.train_problems(step)}
+    with pytest.raises(SystemExit, match="lower --n-eval"):
+        Arith(Config(task="arith", n_eval=100))  # 1-digit a + b has 81 problems
+
+
+# --- a real model -----------------------------------------------------------------------------------
+
+SMOL = os.path.expanduser("~/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(SMOL), reason='SmolLM2 not cached: python -c "import model; model.cache_smollm2()"')
+def test_smollm2_grpo_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    train.main(["--config", "configs/arith_grpo_cpu.yaml", "--steps", "2", "--batch-size", "8", "--n-eval", "8",
+                "--max-new-tokens", "16", "--out", str(tmp_path)])
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert 0 <= float(rows[0]["eval_acc"]) <= 1 and float(rows[1]["gen_tok_s"]) > 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_readme_task_example_works():
+    import re
+
+    import tasks
+    readme = open("README.md").read()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "LLMTask" in block)
+    namespace = dict(vars(tasks))
+    exec(code, namespace)  # the README's example, verbatim
+    task = namespace["TASKS"]["reverse"](Config(task="reverse", n_eval=8, batch_size=8, group_size=4))
+    q, a = task.train_problems(0)[0]
+    assert task.reward(q, f"<answer>{a}</answer>", a) == pytest.approx(1.2) and task.correct(q, "nope", a) is False
+    del tasks.TASKS["reverse"]
+
+
+@pytest.mark.parametrize("lora_r", [4, 0])
+def test_reference_policy_for_kl(tiny_llm, lora_r):
+    cfg = llm_cfg(tiny_llm, kl_coef=0.1, lora_r=lora_r)
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg)
+    with torch.no_grad():
+        assert torch.allclose(policy.ref_logp(batch), policy.score(batch)["logp"], atol=1e-6)  # not trained yet
+        for p in policy.params().values():
+            p.add_(0.05 * torch.randn_like(p))
+        moved = policy.score(batch)["logp"]
+    ref = policy.ref_logp(batch)
+    assert not torch.allclose(ref, moved, atol=1e-3)  # the reference stays the base model
+    assert (policy.ref is None) == (lora_r > 0)  # LoRA: the adapter disabled, no second copy of the model
+    train.score_old(policy, batch, cfg)
+    assert torch.equal(batch.ref_logp, ref)
