@@ -29,6 +29,16 @@ class Config:
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
+    # --- async (serve.py): a trainer and any number of rollout workers ---
+    role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
+    port: int = 8000  # trainer: port to listen on (0 = any free port)
+    bind: str = "127.0.0.1"  # trainer: address to listen on; anything but loopback needs FLATRL_TOKEN
+    trainer_url: str = ""  # rollout: the trainer, e.g. http://127.0.0.1:8000
+    max_staleness: int = 1  # drop batches sampled more than this many versions ago (0 = on-policy only)
+    max_queue: int = 4  # trainer: batches waiting at most; beyond it workers wait for new weights (503)
+    wire_dtype: str = "bfloat16"  # weights sent to workers: bfloat16 halves the bytes (they sample in bf16); float32
+    body_limit_mb: float = 256.0  # trainer: larger POST bodies get 413 before being read
+    connect_timeout: float = 300.0  # rollout: seconds to keep retrying an unreachable trainer, then exit
     # --- rollout ---
     batch_size: int = 8  # samples per step: episodes, or prompts x group_size completions
     group_size: int = 1  # samples per prompt (or per env reset seed); grpo and rloo need >= 2
@@ -97,7 +107,11 @@ class Config:
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
              "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
         need(not self.kl_in_reward or self.algo == "ppo", "kl_in_reward needs per-token credit: use --algo ppo")
-        need(self.gen_dtype in ("bfloat16", "float32", "float16"), "gen_dtype: use bfloat16, float32 or float16")
+        for k in ("gen_dtype", "wire_dtype"):
+            need(getattr(self, k) in ("bfloat16", "float32", "float16"), f"{k}: use bfloat16, float32 or float16")
+        need(self.role in ("sync", "trainer", "rollout"), f"role {self.role!r}: use sync, trainer or rollout")
+        need(self.role != "rollout" or self.trainer_url, "a rollout worker needs --trainer-url http://HOST:PORT")
+        need(self.max_staleness >= 0 and self.max_queue >= 1, "max_staleness must be >= 0 and max_queue >= 1")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         return self
 

@@ -27,9 +27,10 @@ class MLPPolicy(nn.Module):
         self.critic = mlp(obs_dim, hidden, 1) if critic else None
 
     @torch.no_grad()
-    def act(self, obs, greedy=False):  # obs [B, D] -> actions [B]
-        logits = self.actor(obs)  # [B, A]
-        return logits.argmax(-1) if greedy else torch.multinomial(logits.softmax(-1), 1)[:, 0]
+    def act(self, obs, greedy=False):  # obs [B, D] -> actions [B], their logp [B]
+        logp = F.log_softmax(self.actor(obs), -1)  # [B, A]
+        a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]
+        return a, logp.gather(-1, a[:, None])[:, 0]
 
     def score(self, batch):
         logp_all = F.log_softmax(self.actor(batch.obs), -1)  # [N, T, A]
@@ -59,6 +60,24 @@ def pack(prompts, completions, pad_id):
         obs[i, P - len(p):P], obs[i, P:P + len(c)] = torch.tensor(p), torch.tensor(c, dtype=torch.long)
         attn[i, P - len(p):P + len(c)] = 1
     return obs, attn, attn[:, P:].clone()
+
+
+class SampledLogp:
+    """A logits processor that only watches: it keeps log_softmax(logits / T) of each step and, once
+    the next step shows which token was drawn, that token's logprob. HF applies custom processors
+    before its temperature warper, hence the / T here; every other knob is off."""
+
+    def __init__(self, temperature):
+        self.T, self.prev, self.out = temperature, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:
+            self.out.append(self.prev.gather(-1, input_ids[:, -1:]))
+        self.prev = torch.log_softmax(scores.float() / self.T, -1)  # [B, V]
+        return scores
+
+    def finish(self, new_tokens):  # [B, T] -> [B, T]
+        return torch.cat(self.out + [self.prev.gather(-1, new_tokens[:, -1:])], 1).cpu()
 
 
 class HFGenerator:
@@ -94,15 +113,21 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, rows, greedy=False):
-        """Prompt token id lists -> completion id lists, each cut after its first stop token."""
-        completions, device = [], self.lm.device
+        """Prompt token id lists -> (completion id lists, each cut after its first stop token; and on a
+        rollout worker the sampler's logprob of every completion token, else None)."""
+        completions, logps, device = [], [], self.lm.device
+        record = self.cfg.role == "rollout" and not greedy
         for i in range(0, len(rows), self.cfg.gen_batch):
             chunk = rows[i:i + self.cfg.gen_batch]
             obs, attn, _ = pack(chunk, [[]] * len(chunk), self.pad_id)  # [B, P] left-padded prompts
+            seen = SampledLogp(self.cfg.temperature)
             out = self.lm.generate(input_ids=obs.to(device), attention_mask=attn.to(device),
-                                   generation_config=self.config(greedy))
-            completions += [self.cut(c) for c in out[:, obs.shape[1]:].tolist()]
-        return completions
+                                   generation_config=self.config(greedy), logits_processor=[seen] if record else None)
+            new = out[:, obs.shape[1]:]  # [B, T]
+            cut = [self.cut(c) for c in new.tolist()]
+            logps += [lp[:len(c)] for lp, c in zip(seen.finish(new).tolist(), cut)] if record else []
+            completions += cut
+        return completions, logps if record else None
 
     def cut(self, ids):
         for j, t in enumerate(ids):
@@ -197,12 +222,16 @@ class HFPolicy(nn.Module):
     def generate(self, prompts, n, greedy=False):
         """n completions per prompt (strings) -> Batch (rewards left at 0) and the completion texts."""
         rows = [ids for ids in map(self.prompt_ids, prompts) for _ in range(n)]
-        completions = self.generator.generate(rows, greedy)
+        completions, logps = self.generator.generate(rows, greedy)
         obs, attn, mask = pack(rows, completions, self.pad_id)
         P = obs.shape[1] - mask.shape[1]
         truncated = torch.tensor([len(c) == self.cfg.max_new_tokens and c[-1] not in self.stop_ids for c in completions])
         batch = Batch(obs=obs, actions=obs[:, P:].clone(), mask=mask, rewards=torch.zeros_like(mask),
                       group=torch.arange(len(rows)) // n, truncated=truncated, attn=attn)
+        if logps is not None:  # a rollout worker reports what its sampler saw  [N, T]
+            batch.sampler_logp = torch.zeros_like(mask)
+            for i, lp in enumerate(logps):
+                batch.sampler_logp[i, :len(lp)] = torch.tensor(lp)
         return batch, self.tok.batch_decode(completions, skip_special_tokens=True)
 
     def publish(self):

@@ -51,17 +51,17 @@ class GymTask:
     def run(self, policy, seeds, greedy):
         n, T = len(seeds), self.max_len
         obs = np.zeros((n, T, self.obs_dim), np.float32)
-        actions, rewards = np.zeros((n, T), np.int64), np.zeros((n, T), np.float32)
+        actions, rewards, logps = np.zeros((n, T), np.int64), np.zeros((n, T), np.float32), np.zeros((n, T), np.float32)
         length, truncated = np.zeros(n, np.int64), np.zeros(n, bool)
         cur = np.stack([env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)]).reshape(n, -1)
         alive = list(range(n))
         for t in range(T):
             obs[alive, t] = cur[alive]
-            acts = policy.act(torch.from_numpy(cur[alive]), greedy).numpy()  # one forward for all
+            acts, logp = policy.act(torch.from_numpy(cur[alive]), greedy)  # one forward for all
             still = []
-            for i, a in zip(alive, acts):
+            for i, a, lp in zip(alive, acts.numpy(), logp.numpy()):
                 o, r, term, trunc, _ = self.envs[i].step(a)
-                actions[i, t], rewards[i, t], cur[i] = a, r, np.asarray(o).reshape(-1)
+                actions[i, t], rewards[i, t], logps[i, t], cur[i] = a, r, lp, np.asarray(o).reshape(-1)
                 if term or trunc:
                     length[i], truncated[i] = t + 1, trunc and not term
                 else:
@@ -74,7 +74,8 @@ class GymTask:
         mask = torch.arange(L)[None, :] < torch.from_numpy(length)[:, None]
         return Batch(obs=torch.from_numpy(obs[:, :L]), actions=torch.from_numpy(actions[:, :L]),
                      mask=mask.float(), rewards=torch.from_numpy(rewards[:, :L]),
-                     group=torch.arange(n) // self.cfg.group_size, truncated=torch.from_numpy(truncated))
+                     group=torch.arange(n) // self.cfg.group_size, truncated=torch.from_numpy(truncated),
+                     sampler_logp=torch.from_numpy(logps[:, :L]) * mask if self.cfg.role == "rollout" else None)
 
 
 # --- LLM tasks: reward helpers -------------------------------------------------------------------

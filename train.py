@@ -20,8 +20,9 @@ import torch.distributed as dist
 import config as config_lib
 from algos import ADVANTAGES, group_stats, loss_weights, pg_loss, value_loss
 from model import HFPolicy, MLPPolicy
+from serve import AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import Logger, all_reduce_sum, load_checkpoint, rank, save_checkpoint, seed_all, world
+from utils import Logger, all_reduce_sum, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world
 
 
 def build(cfg):
@@ -44,8 +45,10 @@ def score_old(policy, batch, cfg):
     """No-grad pass under the weights that sampled the batch, fixing what the update compares against:
     old_logp before the first of several updates, the old critic's values (ppo), ref_logp (KL). With
     one update per batch and none of those it is skipped: the update's own forward pass provides
-    old_logp (the ratio is then exactly 1, and one forward pass is saved)."""
-    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef:
+    old_logp (the ratio is then exactly 1, and one forward pass is saved). A batch sampled elsewhere
+    (it carries sampler_logp) always gets old_logp recomputed here: the sampler's numbers are not the
+    trainer's, even under the same weights."""
+    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and batch.sampler_logp is None:
         return
     with torch.no_grad():
         outs = [policy.score(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]
@@ -124,6 +127,12 @@ def batch_metrics(batch, cfg):
            "length": batch.mask.sum(1).mean().item(), "truncated": batch.truncated.float().mean().item()}
     if cfg.group_size > 1:  # groups that teach nothing under grpo / rloo: every sample got the same reward
         out["zero_var_groups"] = (group_stats(R, batch.group)[1] == 0).float().mean().item()
+    if batch.sampler_logp is not None:  # async: how far the sampler's logprobs are from the trainer's
+        log_w = batch.old_logp - batch.sampler_logp  # [N, T]
+        out["logp_gap"] = masked_mean(log_w.abs(), batch.mask).item()
+        if cfg.tis_clip:
+            out["tis_weight"] = masked_mean(log_w.exp().clamp(max=cfg.tis_clip), batch.mask).item()
+            out["tis_clipped"] = masked_mean((log_w.exp() > cfg.tis_clip).float(), batch.mask).item()
     return {**out, **batch.stats}
 
 
@@ -143,6 +152,8 @@ def main(argv=None):
     cfg = config_lib.parse(argv)
     setup(cfg)
     task, policy = build(cfg)
+    if cfg.role == "rollout":
+        return run_worker(cfg, task, policy, Logger(cfg.out, 0, cfg.steps))
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     ckpt_path, start, t_offset = os.path.join(cfg.out, "checkpoint.safetensors"), 0, 0.0
     if cfg.resume:
@@ -152,6 +163,7 @@ def main(argv=None):
         start, t_offset = meta["step"], meta["time_s"] - (time.time() - T0)
     clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
     log = Logger(cfg.out, start, cfg.steps)
+    source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
 
     def save(step):
         if rank() == 0:
@@ -159,31 +171,38 @@ def main(argv=None):
             if task.llm:  # the adapter in PEFT format too, loadable without flatrl
                 policy.save_adapter(os.path.join(cfg.out, "adapter"))
 
-    for step in range(start, cfg.steps + 1):
-        row = {"step": step}
-        if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
-            row.update(task.evaluate(policy, step))  # greedy, held out; step 0 is before any update
-        solved = cfg.stop_when_solved and task.solved(row)
-        if solved or step == cfg.steps:
-            log.log({**row, "time_s": clock()})
-            if solved:
-                log.say(f"solved at step {step} after {clock():.1f} s")
-            break
-        # 1 - rollout
-        batch = task.rollout(policy, step)
-        # 2 - advantage, under the weights that sampled the batch
-        t = time.time()
-        score_old(policy, batch, cfg)
-        batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
-        # 3 - update
-        stats = update(policy, opt, batch, cfg, task.max_len)
-        stats["train_tok_s"] = batch.mask.sum().item() / (time.time() - t)
-        # 4 - publish, log, save
-        policy.publish()
-        log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats})
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save(step + 1)
-    save(step)
+    done = start
+    try:
+        for step in range(start, cfg.steps + 1):
+            row = {"step": step}
+            if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
+                row.update(task.evaluate(policy, step))  # greedy, held out; step 0 is before any update
+            solved = cfg.stop_when_solved and task.solved(row)
+            if solved or step == cfg.steps:
+                log.log({**row, "time_s": clock()})
+                if solved:
+                    log.say(f"solved at step {step} after {clock():.1f} s")
+                break
+            # 1 - rollout (in-process, or pushed by a worker)
+            batch = source.next_batch(step)
+            # 2 - advantage, under the weights that sampled the batch
+            t = time.time()
+            with source.weights(batch):
+                score_old(policy, batch, cfg)
+            batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
+            # 3 - update
+            stats = update(policy, opt, batch, cfg, task.max_len)
+            stats["train_tok_s"] = batch.mask.sum().item() / (time.time() - t)
+            # 4 - publish, log, save
+            source.publish(step + 1)
+            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **source.stats()})
+            done = step + 1
+            if cfg.save_every and done % cfg.save_every == 0:
+                save(done)
+    except KeyboardInterrupt:
+        log.say(f"interrupted after {done} steps: saving a checkpoint (resume with --resume {cfg.out})")
+    save(done)
+    source.close()
     log.close(cfg.out)
     return policy
 

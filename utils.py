@@ -171,7 +171,7 @@ class Logger:
         if self.on and os.path.exists(self.path):  # resumed: keep the header and the curve so far
             with open(self.path) as f:
                 reader = csv.DictReader(f)
-                self.rows = [{k: float(v) for k, v in r.items() if v != ""} for r in reader]
+                self.rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
                 self.fields = reader.fieldnames
 
     def say(self, msg):

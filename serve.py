@@ -1,0 +1,350 @@
+"""Where batches come from. SyncSource samples in-process; AsyncSource serves weights to rollout workers
+and takes their batches over stdlib HTTP (run_worker is the worker). Nothing is pickled: tensors travel
+as safetensors, metadata as JSON. Invariant: a batch is trained on only under the exact weights that
+sampled it (the trainer keeps the last max_staleness + 1 versions) or it is dropped, and counted.
+"""
+import contextlib
+import hashlib
+import hmac
+import http.client
+import http.server
+import json
+import math
+import os
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+
+import torch
+from safetensors.torch import load as st_load, save as st_save
+
+from utils import Batch
+
+# A worker whose config differs from the trainer's in one of these would sample the wrong thing.
+FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
+               "digits", "ops", "data", "hidden", "lora_r", "lora_alpha", "lora_targets")
+
+
+class SyncSource:
+    """Samples with the policy's current weights, in this process."""
+
+    def __init__(self, task, policy):
+        self.task, self.policy = task, policy
+
+    def next_batch(self, step):
+        return self.task.rollout(self.policy, step)
+
+    def weights(self, batch):  # the batch was sampled by the current weights
+        return contextlib.nullcontext()
+
+    def publish(self, step):
+        self.policy.publish()
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+# --- the wire: safetensors bytes with JSON metadata ---------------------------------------------
+
+def pack_batch(batch, worker):
+    tensors = {k: v.contiguous() for k, v in batch.tensors().items()}
+    return st_save(tensors, metadata={"version": str(batch.version), "worker": worker, "stats": json.dumps(batch.stats)})
+
+
+def unpack_batch(body, cfg, expect):
+    """Bytes -> Batch, or ValueError naming the first problem. `expect` maps each tensor name to
+    (dtype, rank); obs and actions must also hold valid ids / actions (an out-of-range token id would
+    crash the trainer's forward pass)."""
+    try:
+        n = int.from_bytes(body[:8], "little")
+        meta = json.loads(body[8:8 + n]).get("__metadata__") or {}
+        tensors = st_load(body)
+    except Exception as e:  # safetensors raises several types on garbage
+        raise ValueError(f"body is not a safetensors file ({type(e).__name__})")
+    if set(tensors) != set(expect):
+        raise ValueError(f"tensors must be exactly {sorted(expect)}; got {sorted(tensors)}")
+    for k, (dtype, dims) in expect.items():
+        if tensors[k].dtype != dtype or tensors[k].dim() != dims:
+            raise ValueError(f"{k} must be {dtype} with {dims} dims; got {tensors[k].dtype} {tuple(tensors[k].shape)}")
+    b = Batch(**tensors)
+    N, T = b.mask.shape
+    if N == 0 or any(v.shape[0] != N for v in tensors.values()) or b.actions.shape != (N, T):
+        raise ValueError("tensors disagree on the number of samples N or steps T")
+    for k in ("obs", "rewards", "sampler_logp") if b.obs.is_floating_point() else ("rewards", "sampler_logp"):
+        if not torch.isfinite(tensors[k]).all():
+            raise ValueError(f"{k} holds NaN or Inf")
+    if ((b.mask != 0) & (b.mask != 1)).any():
+        raise ValueError("mask must hold only 0 and 1")
+    _, counts = torch.unique(b.group, return_counts=True)
+    if (counts != cfg.group_size).any():
+        raise ValueError(f"every group must have group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
+    if b.actions.min() < 0 or b.actions.max() >= expect.limit or (not b.obs.is_floating_point() and (
+            b.obs.min() < 0 or b.obs.max() >= expect.limit or not torch.equal(b.obs[:, -T:], b.actions)
+            or b.attn.shape != b.obs.shape)):
+        raise ValueError(f"actions / token ids must lie in [0, {expect.limit}) and match obs")
+    try:
+        b.version, worker, b.stats = int(meta["version"]), str(meta["worker"]), json.loads(meta.get("stats", "{}"))
+        b.stats = {str(k): float(v) for k, v in b.stats.items()}
+    except (KeyError, ValueError, TypeError, AttributeError):
+        raise ValueError("metadata needs an integer 'version', a 'worker' and optional JSON 'stats' of numbers")
+    return b, worker
+
+
+class Expect(dict):
+    """Tensor name -> (dtype, number of dims) a rollout must carry, plus the action / vocabulary limit."""
+
+    def __init__(self, task, policy):
+        llm = task.llm
+        super().__init__(obs=(torch.long if llm else torch.float32, 2 if llm else 3), actions=(torch.long, 2),
+                         mask=(torch.float32, 2), rewards=(torch.float32, 2), group=(torch.long, 1),
+                         truncated=(torch.bool, 1), sampler_logp=(torch.float32, 2), **({"attn": (torch.float32, 2)} if llm else {}))
+        self.limit = len(policy.tok) if llm else task.n_actions
+
+
+# --- the trainer's side ----------------------------------------------------------------------------
+
+class Hub:
+    """State shared by the HTTP threads and the training loop, guarded by one condition variable."""
+
+    def __init__(self, version):
+        self.cond = threading.Condition()
+        self.version, self.blob, self.sha, self.queue, self.done = version, b"", "", [], False
+        self.counts = {"accepted": 0, "rejected": 0, "dropped_stale": 0, "dropped_busy": 0}
+        self.seen, self.gap = {}, {}  # worker id -> last time it was heard from, longest wait between two posts
+
+
+def make_handler(hub, cfg, expect, token):
+    limit = int(cfg.body_limit_mb * 2**20)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = 30  # seconds a client may take to send its request: a stalled client cannot pin a thread
+
+        def log_message(self, *args):  # the trainer's progress bar owns the terminal
+            pass
+
+        def reply(self, code, body=None, headers=()):
+            data = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/octet-stream" if isinstance(body, bytes) else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in headers:
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def fail(self, code, msg):
+            if self.command == "POST":
+                with hub.cond:
+                    hub.counts["rejected"] += 1
+            self.reply(code, {"error": msg})
+
+        def authorized(self):
+            got = self.headers.get("Authorization", "")
+            return token is None or hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+
+        def do_GET(self):
+            url = urllib.parse.urlparse(self.path)
+            if url.path == "/healthz":
+                with hub.cond:
+                    return self.reply(200, {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts})
+            if not self.authorized():
+                return self.fail(401, "missing or wrong bearer token")
+            if url.path == "/config":
+                return self.reply(200, {k: getattr(cfg, k) for k in FINGERPRINT})
+            if url.path != "/weights":
+                return self.fail(404, f"no endpoint {url.path}")
+            try:
+                q = {k: int(v) for k, (v,) in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items()}
+            except ValueError:
+                return self.fail(400, "query parameters have and wait must be integers")
+            have, wait = q.get("have", -1), min(max(q.get("wait", 0), 0), 60)
+            with hub.cond:
+                hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
+                if hub.done:
+                    return self.reply(410, {"error": "training finished"})
+                if hub.version == have:
+                    return self.reply(304, b"")
+                blob, headers = hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha)]
+            self.reply(200, blob, headers)
+
+        def do_POST(self):
+            if self.path != "/rollouts":
+                return self.fail(404, f"no endpoint {self.path}")
+            if not self.authorized():
+                return self.fail(401, "missing or wrong bearer token")
+            try:
+                size = int(self.headers.get("Content-Length", ""))
+                assert size >= 0
+            except (ValueError, AssertionError):
+                return self.fail(411, "a non-negative integer Content-Length is required")
+            if size > limit:
+                return self.fail(413, f"body of {size} bytes is over the {limit}-byte limit (body_limit_mb)")
+            body = self.rfile.read(size)
+            if len(body) != size:
+                return self.fail(400, f"body ended after {len(body)} of {size} bytes")
+            try:
+                batch, worker = unpack_batch(body, cfg, expect)
+            except ValueError as e:
+                return self.fail(400, str(e))
+            with hub.cond:
+                now = time.time()
+                hub.gap[worker] = max(hub.gap.get(worker, 0.0), now - hub.seen.get(worker, now))
+                hub.seen[worker] = now
+                if hub.done:
+                    return self.reply(410, {"error": "training finished"})
+                if batch.version > hub.version:
+                    return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
+                if len(hub.queue) >= cfg.max_queue:
+                    hub.counts["dropped_busy"] += 1
+                    return self.reply(503, {"error": "queue full; fetch newer weights and try again"})
+                hub.queue.append(batch)
+                hub.counts["accepted"] += 1
+                hub.cond.notify_all()
+            self.reply(200, {"queued": len(hub.queue)})
+
+    return Handler
+
+
+class AsyncSource:
+    """Batches pushed by rollout workers. Keeps the weights of the last max_staleness + 1 versions;
+    a batch sampled by any older version is dropped (counted), never trained on."""
+
+    def __init__(self, task, policy, cfg, log, version):
+        token = os.environ.get("FLATRL_TOKEN") or None
+        if cfg.bind not in ("127.0.0.1", "localhost", "::1") and token is None:
+            raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
+        self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
+        self.snapshots, self.staleness = {}, []
+        self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), make_handler(self.hub, cfg, Expect(task, policy), token))
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.publish(version)
+        log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
+
+    def publish(self, version):
+        """One serialization per version, shared by every worker; its weights kept as a snapshot."""
+        self.policy.publish()  # the trainer's own sampler serves its evaluations
+        params = {k: v.detach().cpu().clone() for k, v in self.policy.params().items()}
+        self.snapshots[version] = params
+        for old in [v for v in self.snapshots if v < version - self.cfg.max_staleness]:
+            del self.snapshots[old]
+        wire = getattr(torch, self.cfg.wire_dtype)  # old_logp still comes from the fp32 snapshots above
+        blob = st_save({k: v.to(wire) for k, v in params.items() if not k.startswith("value_head")},
+                       metadata={"version": str(version)})
+        with self.hub.cond:
+            self.hub.version, self.hub.blob, self.hub.sha = version, blob, hashlib.sha256(blob).hexdigest()
+            self.hub.cond.notify_all()
+
+    def next_batch(self, step):
+        waited = time.time()
+        while True:
+            with self.hub.cond:
+                if not self.hub.cond.wait_for(lambda: self.hub.queue, timeout=30):
+                    self.log.say(f"step {step}: no rollouts for {time.time() - waited:.0f} s; waiting for workers "
+                                 f"(python train.py --config ... --role rollout --trainer-url http://HOST:{self.server.server_port})")
+                    continue
+                batch = self.hub.queue.pop(0)
+                if batch.version not in self.snapshots:  # older than max_staleness, or from before a restart
+                    self.hub.counts["dropped_stale"] += 1
+                    continue
+            self.staleness.append(self.hub.version - batch.version)
+            return batch
+
+    @contextlib.contextmanager
+    def weights(self, batch):
+        """Swap in the snapshot that sampled the batch (for old_logp, old values), then swap back."""
+        self.policy.load_state_dict(self.snapshots[batch.version], strict=False)
+        try:
+            yield
+        finally:
+            self.policy.load_state_dict(self.snapshots[self.hub.version], strict=False)
+
+    def stats(self):
+        s, self.staleness = self.staleness, []
+        with self.hub.cond:
+            return {"queue": len(self.hub.queue), "staleness": sum(s) / max(len(s), 1), "staleness_max": max(s, default=0),
+                    **{k: v for k, v in self.hub.counts.items() if k != "accepted"}}
+
+    def close(self):
+        """Tell the workers training is over (410), give each live one the time it usually takes to
+        come back (twice its longest gap between posts, at most 30 s) to hear it, then stop serving."""
+        with self.hub.cond:
+            self.hub.done, t = True, time.time()
+            self.hub.cond.notify_all()
+        deadline = {w: min(seen + 2 * self.hub.gap[w] + 1, t + 30) for w, seen in self.hub.seen.items()}
+        while any(self.hub.seen[w] <= t < end and time.time() < end for w, end in deadline.items()):
+            time.sleep(0.1)
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# --- the worker's side --------------------------------------------------------------------------------
+
+class Client:
+    """HTTP to the trainer with retries: while it is unreachable, back off up to connect_timeout s."""
+
+    def __init__(self, cfg):
+        self.url, self.cfg = cfg.trainer_url.rstrip("/"), cfg
+        token = os.environ.get("FLATRL_TOKEN")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def call(self, path, body=None, timeout=120):
+        """-> (status, headers, body bytes). HTTP errors are answers; only an unreachable trainer retries."""
+        start, delay = time.time(), 0.5
+        while True:
+            req = urllib.request.Request(self.url + path, data=body, headers=self.headers)
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return r.status, r.headers, r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers, e.read()
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+                if time.time() - start > self.cfg.connect_timeout:
+                    raise SystemExit(f"trainer at {self.url} unreachable for {self.cfg.connect_timeout} s ({e}); giving up")
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
+
+
+def run_worker(cfg, task, policy, log):
+    """Pull the newest weights, sample a batch with them, push it; until the trainer says it is done."""
+    client, worker = Client(cfg), uuid.uuid4().hex[:8]
+    status, _, body = client.call("/config")
+    if status != 200:
+        raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
+    for k, theirs in json.loads(body).items():
+        if getattr(cfg, k) != theirs:
+            raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
+    version, n, wait = -1, 0, 30
+    while True:
+        status, headers, body = client.call(f"/weights?have={version}&wait={wait}")
+        if status == 410:
+            log.say(f"worker {worker}: training finished after {n} batches")
+            return
+        if status == 200:
+            if hashlib.sha256(body).hexdigest() != headers["X-Flatrl-Sha256"]:
+                continue  # corrupted in transit: fetch again
+            policy.load_state_dict(st_load(body), strict=False)
+            policy.publish()
+            version = int(headers["X-Flatrl-Version"])
+        elif status != 304:
+            raise SystemExit(f"trainer refused /weights ({status}): {body[:200].decode(errors='replace')}")
+        if version < 0:
+            continue
+        wait = 0
+        batch = task.rollout(policy, step=int(worker, 16) * 1000 + n)  # prompts / env seeds of this worker
+        batch.version = version
+        status, _, body = client.call("/rollouts", pack_batch(batch, worker))
+        if status == 410:
+            log.say(f"worker {worker}: training finished after {n} batches")
+            return
+        n += status == 200
+        wait = 30 if status == 503 else 0  # a full queue: wait for the next version instead of running ahead
+        log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item()})
+        if status not in (200, 503):
+            log.say(f"worker {worker}: batch refused ({status}): {body[:300].decode(errors='replace')}")

@@ -1,0 +1,324 @@
+"""Async transport: real trainer and worker processes on loopback (CartPole and a tiny LLM), staleness
+and snapshots, old_logp under the sampling weights, auth, and a fuzz of malformed requests."""
+import csv
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+import train
+from config import Config
+from model import MLPPolicy
+from serve import AsyncSource, pack_batch
+from tasks import GymTask
+from utils import Logger
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(*args, env=None):
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+
+
+def health(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def wait_for(cond, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if cond():
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError
+
+
+def finish(proc, timeout=180):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        return [r for r in csv.DictReader(f) if r.get("reward")]
+
+
+CARTPOLE = ["--task", "cartpole", "--algo", "reinforce", "--batch-size", "4", "--no-stop-when-solved",
+            "--eval-every", "0", "--connect-timeout", "60"]
+
+
+def test_trainer_and_two_workers_end_to_end(tmp_path):
+    port = free_port()
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "8", "--out", str(tmp_path / "t"))
+    workers = [spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
+                     "--out", str(tmp_path / f"w{i}")) for i in range(2)]
+    finish(trainer)
+    outs = [finish(w) for w in workers]
+    assert all("training finished" in o for o in outs)  # workers notice the end and exit 0
+    trained = rows(tmp_path / "t")
+    assert len(trained) == 8
+    for r in trained:
+        assert 0 <= float(r["staleness"]) <= 1 and float(r["logp_gap"]) < 1e-5  # same MLP math on both sides
+        if float(r["staleness"]) == 0:  # sampled by the current weights: on-policy
+            assert float(r["ratio"]) == pytest.approx(1.0, abs=1e-5)
+
+
+
+def test_worker_killed_mid_run_costs_only_its_batch(tmp_path):
+    port = free_port()
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "10", "--out", str(tmp_path / "t"))
+    url = ["--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}"]
+    doomed, survivor = (spawn(*CARTPOLE, *url, "--out", str(tmp_path / n)) for n in ("a", "b"))
+    wait_for(lambda: health(port)["version"] >= 2)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+    finish(trainer)
+    assert "training finished" in finish(survivor)
+    assert len(rows(tmp_path / "t")) == 10
+
+
+def test_trainer_killed_and_resumed_workers_rejoin(tmp_path):
+    port, run = free_port(), str(tmp_path / "t")
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "8", "--save-every", "1", "--out", run)
+    worker = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
+    wait_for(lambda: health(port)["version"] >= 3)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    time.sleep(1.0)  # the worker is now retrying against a dead port
+    resumed = spawn("--resume", run, "--port", str(port))
+    finish(resumed)
+    assert "training finished" in finish(worker)
+    steps = [int(r["step"]) for r in rows(run)]
+    assert steps[-1] == 7 and len(load_ckpt_meta(run)) and load_ckpt_meta(run)["step"] == 8
+
+
+def load_ckpt_meta(run):
+    from safetensors import safe_open
+    with safe_open(os.path.join(run, "checkpoint.safetensors"), "pt") as f:
+        return json.loads(f.metadata()["flatrl"])
+
+
+def test_worker_with_a_different_config_exits_naming_the_field(tmp_path):
+    port = free_port()
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
+    wait_for(lambda: health(port))
+    bad = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--batch-size", "8",
+                "--out", str(tmp_path / "w"))
+    out, _ = bad.communicate(timeout=60)
+    assert bad.returncode != 0 and "config mismatch on 'batch_size'" in out
+    trainer.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop with a final checkpoint
+    out, _ = trainer.communicate(timeout=60)
+    assert trainer.returncode == 0 and "interrupted after 0 steps" in out
+    assert load_ckpt_meta(tmp_path / "t")["step"] == 0
+
+
+# --- in-process: one AsyncSource, requests by hand -------------------------------------------------------
+
+@pytest.fixture
+def source(tmp_path, request):
+    cfg = Config(role="trainer", port=0, batch_size=4, group_size=2, max_staleness=1, out=str(tmp_path),
+                 **getattr(request, "param", {}))
+    torch.manual_seed(0)
+    task = GymTask(Config(**{**cfg.__dict__, "role": "rollout"}))  # records sampler logprobs, as a worker does
+    policy = MLPPolicy(task.obs_dim, task.n_actions, 16)
+    src = AsyncSource(task, policy, cfg, Logger(str(tmp_path), 0, 1), version=0)
+    src.task, src.port = task, src.server.server_port
+    yield src
+    src.hub.done = True
+    src.server.shutdown()
+    src.server.server_close()
+
+
+def post(port, body, headers=None, length=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("POST", "/rollouts")
+    conn.putheader("Content-Length", str(len(body)) if length is None else length)
+    for k, v in (headers or {}).items():
+        conn.putheader(k, v)
+    conn.endheaders()
+    try:
+        conn.send(body)
+        if length is not None and length.isdigit() and int(length) > len(body):
+            conn.sock.shutdown(socket.SHUT_WR)  # a truncated body: the client stops sending
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def get(port, path, token=None):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read(), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), e.headers
+
+
+def valid_batch(src, version=0):
+    batch = src.task.rollout(src.policy, step=version)
+    batch.version = version
+    return batch
+
+
+def test_stale_and_missing_snapshot_batches_are_dropped(source):
+    for v in (1, 2, 3):
+        source.publish(v)
+    assert sorted(source.snapshots) == [2, 3]  # max_staleness + 1 versions kept
+    for v in (1, 3):
+        assert post(source.port, pack_batch(valid_batch(source, v), "w"))[0] == 200
+    batch = source.next_batch(step=3)
+    assert batch.version == 3 and source.hub.counts["dropped_stale"] == 1
+    stats = source.stats()
+    assert stats["dropped_stale"] == 1 and stats["staleness"] == 0 and stats["queue"] == 0
+
+
+def test_old_logp_is_recomputed_under_the_sampling_weights(source):
+    sampled_by = {k: v.clone() for k, v in source.policy.params().items()}
+    batch = valid_batch(source, 0)
+    with torch.no_grad():
+        for p in source.policy.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    source.publish(1)
+    now = {k: v.clone() for k, v in source.policy.params().items()}
+    cfg = Config(batch_size=4, group_size=2)
+    with source.weights(batch):
+        train.score_old(source.policy, batch, cfg)
+    fresh = MLPPolicy(source.task.obs_dim, source.task.n_actions, 16)
+    fresh.load_state_dict(sampled_by)
+    with torch.no_grad():
+        assert torch.equal(batch.old_logp, fresh.score(batch)["logp"])
+    assert torch.allclose(batch.old_logp * batch.mask, batch.sampler_logp, atol=1e-6)  # the sampler agrees
+    assert all(torch.equal(now[k], v) for k, v in source.policy.params().items())  # and the weights are back
+
+
+def test_weights_endpoint(source):
+    status, body, headers = get(source.port, "/weights?have=-1")
+    assert status == 200 and headers["X-Flatrl-Version"] == "0"
+    import hashlib
+    assert hashlib.sha256(body).hexdigest() == headers["X-Flatrl-Sha256"]
+    wire = st_load(body)
+    assert wire.keys() == source.policy.params().keys() and all(v.dtype == torch.bfloat16 for v in wire.values())
+    assert get(source.port, "/weights?have=0")[0] == 304
+    t = time.time()
+    assert get(source.port, "/weights?have=0&wait=1")[0] == 304 and time.time() - t >= 0.9  # long poll, bounded
+    assert get(source.port, "/weights?have=zero")[0] == 400
+    assert get(source.port, "/nope")[0] == 404
+
+
+def test_one_serialization_per_publish(source, monkeypatch):
+    import serve
+    calls = []
+    monkeypatch.setattr(serve, "st_save", lambda *a, **k: calls.append(1) or b"weights-v7")
+    source.publish(7)
+    bodies = [get(source.port, "/weights?have=0")[1] for _ in range(3)]  # three workers
+    assert len(calls) == 1 and bodies == [b"weights-v7"] * 3
+
+
+def test_auth(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLATRL_TOKEN", "s3cret")
+    cfg = Config(role="trainer", port=0, batch_size=4)
+    task = GymTask(cfg)
+    src = AsyncSource(task, MLPPolicy(4, 2, 8), cfg, Logger(str(tmp_path), 0, 1), version=0)
+    port = src.server.server_port
+    try:
+        assert get(port, "/healthz")[0] == 200  # no auth on health
+        assert get(port, "/config")[0] == 401 and get(port, "/config", token="wrong")[0] == 401
+        assert get(port, "/weights", token="s3cret")[0] == 200
+        assert post(port, b"x")[0] == 401
+        assert json.loads(get(port, "/config", token="s3cret")[1])["task"] == "cartpole"
+    finally:
+        src.server.shutdown()
+        src.server.server_close()
+    monkeypatch.delenv("FLATRL_TOKEN")
+    with pytest.raises(SystemExit, match="FLATRL_TOKEN"):
+        AsyncSource(task, MLPPolicy(4, 2, 8), Config(role="trainer", bind="0.0.0.0", port=0), None, version=0)
+
+
+def test_fuzz_malformed_requests_are_all_rejected(source):
+    rng = random.Random(0)
+    good = pack_batch(valid_batch(source, 0), "w")
+    header_end = 8 + int.from_bytes(good[:8], "little")
+
+    def mutate(fn):
+        b = valid_batch(source, 0)
+        fn(b)
+        return pack_batch(b, "w")
+
+    def corrupt_header():
+        i = rng.randrange(8, header_end)
+        return good[:i] + bytes([rng.randrange(0, 32)]) + good[i + 1:]  # a control byte: invalid JSON
+
+    bad = [
+        lambda: rng.randbytes(rng.randrange(0, 2000)),
+        lambda: good[:rng.randrange(0, len(good))],  # truncated file
+        corrupt_header,
+        lambda: rng.randbytes(8) + good[8:],  # wrong header length
+        lambda: mutate(lambda b: b.rewards.__setitem__((0, 0), float("nan"))),
+        lambda: mutate(lambda b: b.rewards.__setitem__((1, 0), float("inf"))),
+        lambda: mutate(lambda b: setattr(b, "group", torch.tensor([0, 0, 0, 1]))),  # groups of 3 and 1
+        lambda: mutate(lambda b: setattr(b, "actions", b.actions + 7)),  # actions out of range
+        lambda: mutate(lambda b: setattr(b, "mask", b.mask * 0.5)),
+        lambda: mutate(lambda b: setattr(b, "obs", b.obs.double())),  # wrong dtype
+        lambda: mutate(lambda b: setattr(b, "rewards", b.rewards[:3])),  # wrong shape
+        lambda: mutate(lambda b: setattr(b, "sampler_logp", None)),  # a tensor missing
+        lambda: mutate(lambda b: setattr(b, "values", b.mask.clone())),  # an unknown tensor
+        lambda: mutate(lambda b: setattr(b, "version", 5)),  # from the future
+    ]
+    n, statuses = 0, []
+    for i in range(210):
+        body = bad[i % len(bad)]()
+        statuses.append(post(source.port, body)[0])
+        n += 1
+    for length in ("-5", "abc", "", "99999999999999"):  # bad or huge Content-Length
+        statuses.append(post(source.port, b"xyz", length=length)[0])
+        n += 1
+    statuses.append(post(source.port, good[:100], length=str(len(good)))[0])  # the body stops short
+    n += 1
+    assert all(400 <= s < 500 for s in statuses), sorted(set(statuses))
+    assert 413 in statuses and 411 in statuses
+    h = health(source.port)
+    assert h["queued"] == 0 and h["accepted"] == 0 and h["rejected"] == n
+    assert post(source.port, good)[0] == 200 and health(source.port)["queued"] == 1  # still serving
+
+
+# --- a tiny LLM, LoRA and full fine-tuning --------------------------------------------------------------
+
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_llm_trainer_and_worker(tiny_llm, tmp_path, lora_r):
+    port = free_port()
+    common = ["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
+              "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", lora_r, "--lr", "0.01", "--eval-every", "0",
+              "--tis-clip", "2.0", "--connect-timeout", "60"]
+    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
+    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
+    finish(trainer)
+    assert "training finished" in finish(worker)
+    trained = rows(tmp_path / "t")
+    assert len(trained) == 3
+    for r in trained:  # bf16 sampler vs the fp32 / autocast trainer: close, not equal
+        assert 0 <= float(r["logp_gap"]) < 0.5 and 0 < float(r["tis_weight"]) <= 2.0
+        assert r["accuracy"] != "" and float(r["gen_tok_s"]) > 0  # the worker's stats travel with the batch
