@@ -29,6 +29,7 @@ class Config:
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
     device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
+    threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
     # --- async (serve.py): a trainer and any number of rollout workers ---
     role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
     port: int = 8000  # trainer: port to listen on (0 = any free port)
@@ -36,7 +37,7 @@ class Config:
     trainer_url: str = ""  # rollout: the trainer, e.g. http://127.0.0.1:8000
     max_staleness: int = 1  # drop batches sampled more than this many versions ago (0 = on-policy only)
     max_queue: int = 4  # trainer: batches waiting at most; beyond it workers wait for new weights (503)
-    wire_dtype: str = "bfloat16"  # weights sent to workers: bfloat16 halves the bytes (they sample in bf16); float32
+    wire_dtype: str = "auto"  # weights sent to workers: auto = gen_dtype for LLMs (bf16 halves the bytes), else float32
     body_limit_mb: float = 256.0  # trainer: larger POST bodies get 413 before being read
     connect_timeout: float = 300.0  # rollout: seconds to keep retrying an unreachable trainer, then exit
     # --- rollout ---
@@ -52,6 +53,12 @@ class Config:
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
     gen_batch: int = 64  # sequences per generate call
     gen_dtype: str = "bfloat16"  # the sampler's copy of the weights: bfloat16 or float32 (the trainer is fp32)
+    generator: str = "hf"  # sampler: hf (transformers generate) or vllm (LoRA hot-swapped after each publish)
+    vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory (on a CPU: VLLM_CPU_KVCACHE_SPACE GiB, default 2)
+    vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
+    check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit (1 = over parity_tol)
+    parity_tol: float = 1e-3  # largest mean |delta logp| --check-parity accepts (use fp32: --no-bf16 --gen-dtype float32)
+    probe_tol: float = 0.05  # trainer warns when a worker's sync probe logprobs differ from its own by more
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
     eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
     overlong_buffer: int = 0  # penalise completions in the last N tokens before the cap, -1 at the cap (0 = off)
@@ -107,11 +114,15 @@ class Config:
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
              "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
         need(not self.kl_in_reward or self.algo == "ppo", "kl_in_reward needs per-token credit: use --algo ppo")
-        for k in ("gen_dtype", "wire_dtype"):
-            need(getattr(self, k) in ("bfloat16", "float32", "float16"), f"{k}: use bfloat16, float32 or float16")
+        dtypes = ("bfloat16", "float32", "float16")
+        need(self.gen_dtype in dtypes, f"gen_dtype {self.gen_dtype!r}: use one of {dtypes}")
+        need(self.wire_dtype in dtypes + ("auto",), f"wire_dtype {self.wire_dtype!r}: use auto or one of {dtypes}")
         need(self.role in ("sync", "trainer", "rollout"), f"role {self.role!r}: use sync, trainer or rollout")
         need(self.role != "rollout" or self.trainer_url, "a rollout worker needs --trainer-url http://HOST:PORT")
         need(self.max_staleness >= 0 and self.max_queue >= 1, "max_staleness must be >= 0 and max_queue >= 1")
+        need(self.generator in ("hf", "vllm"), f"generator {self.generator!r}: use hf or vllm")
+        need(self.generator == "hf" or self.lora_r > 0,
+             "--generator vllm hot-swaps LoRA adapters; full fine-tuning (lora_r 0) needs --generator hf")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         return self
 

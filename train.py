@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import config as config_lib
 from algos import ADVANTAGES, group_stats, loss_weights, pg_loss, value_loss
-from model import HFPolicy, MLPPolicy
+from model import HFPolicy, MLPPolicy, check_parity
 from serve import AsyncSource, SyncSource, run_worker
 from tasks import TASKS
 from utils import Logger, all_reduce_sum, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world
@@ -146,12 +146,19 @@ def setup(cfg):
     if rank() == 0:
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     seed_all(cfg.seed + rank())  # ranks sample different completions of their different prompts
+    if cfg.threads:  # two processes each running the default thread count on one CPU slow each other ~10x
+        torch.set_num_threads(cfg.threads)
 
 
 def main(argv=None):
     cfg = config_lib.parse(argv)
     setup(cfg)
     task, policy = build(cfg)
+    if cfg.check_parity:
+        if not task.llm:
+            raise SystemExit("config error: --check-parity compares LLM samplers; pick an LLM task")
+        ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
+        raise SystemExit(0 if ok else 1)
     if cfg.role == "rollout":
         return run_worker(cfg, task, policy, Logger(cfg.out, 0, cfg.steps))
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)

@@ -44,6 +44,7 @@ class Batch:
     weight: torch.Tensor = None
     version: int = 0  # weights version that sampled this batch (async)
     stats: dict = dataclasses.field(default_factory=dict)  # the task's per-step metrics (accuracy, ...)
+    probe: list = None  # async LLM: the worker sampler's logprobs of the fixed sync probe (model.HFPolicy.probe)
 
     def tensors(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -60,8 +60,9 @@ def measure(name, model, repeats, step_s=None, wire="bfloat16"):
         source.hub.queue.clear()
     _, push = timed(post, repeats)
     publish = serialize + transfer + load
+    same = full * getattr(torch, wire).itemsize / 4  # the full model in the wire's dtype
     print(f"| {name} | {wire} | {len(blob) / 2**20:.2f} MiB | {full / 2**20:.0f} MiB | {100 * len(blob) / full:.2f}% | "
-          f"{200 * len(blob) / full:.2f}% | "
+          f"{100 * len(blob) / same:.2f}% | "
           f"{1000 * serialize:.0f} + {1000 * transfer:.0f} + {1000 * load:.0f} = {1000 * publish:.0f} ms | "
           f"{len(body) / 2**10:.0f} KiB, {1000 * push:.0f} ms | "
           + (f"{100 * (publish + push) / step_s:.1f}% of {step_s:.1f} s |" if step_s else "- |"), flush=True)
@@ -93,7 +94,7 @@ def main():
     a = p.parse_args()
     from conftest import make_tiny_llm
     tiny = make_tiny_llm(tempfile.mkdtemp())
-    print("| model | wire dtype | adapter on the wire | full model, fp32 | share of fp32 model | share of bf16 model "
+    print("| model | wire dtype | adapter on the wire | full model, fp32 | share of the fp32 model | share of the model in the wire dtype "
           "| publish: serialize + transfer + load | rollout POST | transport / step |\n|---|---|---|---|---|---|---|---|---|")
     measure("tiny Llama (r=16)", tiny, a.repeats)
     smol = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -221,7 +221,7 @@ def test_weights_endpoint(source):
     import hashlib
     assert hashlib.sha256(body).hexdigest() == headers["X-Flatrl-Sha256"]
     wire = st_load(body)
-    assert wire.keys() == source.policy.params().keys() and all(v.dtype == torch.bfloat16 for v in wire.values())
+    assert wire.keys() == source.policy.params().keys() and all(v.dtype == torch.float32 for v in wire.values())  # auto: fp32 for control
     assert get(source.port, "/weights?have=0")[0] == 304
     t = time.time()
     assert get(source.port, "/weights?have=0&wait=1")[0] == 304 and time.time() - t >= 0.9  # long poll, bounded
@@ -249,7 +249,7 @@ def test_auth(tmp_path, monkeypatch):
         assert get(port, "/config")[0] == 401 and get(port, "/config", token="wrong")[0] == 401
         assert get(port, "/weights", token="s3cret")[0] == 200
         assert post(port, b"x")[0] == 401
-        assert json.loads(get(port, "/config", token="s3cret")[1])["task"] == "cartpole"
+        assert json.loads(get(port, "/config", token="s3cret")[1])["fingerprint"]["task"] == "cartpole"
     finally:
         src.server.shutdown()
         src.server.server_close()
@@ -283,6 +283,7 @@ def test_fuzz_malformed_requests_are_all_rejected(source):
         lambda: mutate(lambda b: setattr(b, "actions", b.actions + 7)),  # actions out of range
         lambda: mutate(lambda b: setattr(b, "mask", b.mask * 0.5)),
         lambda: mutate(lambda b: setattr(b, "obs", b.obs.double())),  # wrong dtype
+        lambda: mutate(lambda b: setattr(b, "obs", b.obs[..., :3].contiguous())),  # wrong observation size
         lambda: mutate(lambda b: setattr(b, "rewards", b.rewards[:3])),  # wrong shape
         lambda: mutate(lambda b: setattr(b, "sampler_logp", None)),  # a tensor missing
         lambda: mutate(lambda b: setattr(b, "values", b.mask.clone())),  # an unknown tensor

