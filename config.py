@@ -54,11 +54,12 @@ class Config:
     gen_batch: int = 64  # sequences per generate call
     gen_dtype: str = "bfloat16"  # the sampler's copy of the weights: bfloat16 or float32 (the trainer is fp32)
     generator: str = "hf"  # sampler: hf (transformers generate) or vllm (LoRA hot-swapped after each publish)
-    vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory (on a CPU: VLLM_CPU_KVCACHE_SPACE GiB, default 2)
+    vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache
+    vllm_kv_gib: int = 2  # vllm on a CPU: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE unless already set)
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
     check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit (1 = over parity_tol)
     parity_tol: float = 1e-3  # largest mean |delta logp| --check-parity accepts (use fp32: --no-bf16 --gen-dtype float32)
-    probe_tol: float = 0.05  # trainer warns when a worker's sync probe logprobs differ from its own by more
+    probe_tol: float = 0.25  # trainer warns when a worker's sync probe logprobs differ from its own by more (bf16 noise: ~0.1)
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
     eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
     overlong_buffer: int = 0  # penalise completions in the last N tokens before the cap, -1 at the cap (0 = off)

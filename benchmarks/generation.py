@@ -68,7 +68,7 @@ def async_step_s(generator, steps):
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         common = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--eval-every", "0",
-                  "--steps", str(steps)]
+                  "--steps", str(steps), "--threads", "1"]  # one core each: they share this 2-core machine
         trainer = subprocess.Popen(common + ["--role", "trainer", "--port", str(port), "--out", f"{d}/t"], cwd=ROOT,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         worker = subprocess.Popen(common + ["--role", "rollout", "--generator", generator, "--trainer-url",

@@ -122,16 +122,21 @@ def load_ckpt_meta(run):
 
 def test_worker_with_a_different_config_exits_naming_the_field(tmp_path):
     port = free_port()
-    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "100000", "--out", str(tmp_path / "t"))
     wait_for(lambda: health(port))
     bad = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--batch-size", "8",
                 "--out", str(tmp_path / "w"))
     out, _ = bad.communicate(timeout=60)
     assert bad.returncode != 0 and "config mismatch on 'batch_size'" in out
+    good = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "g"))
+    wait_for(lambda: health(port)["accepted"] >= 1)
+    good.send_signal(signal.SIGINT)  # Ctrl-C on a worker: a clean exit
+    out, _ = good.communicate(timeout=60)
+    assert good.returncode == 0 and "worker stopped" in out
     trainer.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop with a final checkpoint
     out, _ = trainer.communicate(timeout=60)
-    assert trainer.returncode == 0 and "interrupted after 0 steps" in out
-    assert load_ckpt_meta(tmp_path / "t")["step"] == 0
+    assert trainer.returncode == 0 and "interrupted after" in out
+    assert load_ckpt_meta(tmp_path / "t")["step"] == int(out.split("interrupted after ")[1].split()[0])
 
 
 # --- in-process: one AsyncSource, requests by hand -------------------------------------------------------

@@ -98,6 +98,14 @@ class TestVLLM:
         out = capsys.readouterr().out
         assert "parity vllm (float32)" in out and "ok" in out
 
+    def test_parity_fails_on_a_temperature_mismatch(self, vpolicy):
+        vpolicy.generator.cfg = dataclasses.replace(vpolicy.cfg, temperature=0.7)  # trainer stays at 1.0
+        try:
+            assert not check_parity(vpolicy, PROMPTS, vpolicy.cfg, print)
+        finally:
+            vpolicy.generator.cfg = vpolicy.cfg
+        assert check_parity(vpolicy, PROMPTS, vpolicy.cfg, print)
+
     def test_sampler_logprobs_use_the_trainer_temperature(self, vpolicy):
         vpolicy.generator.cfg = dataclasses.replace(vpolicy.cfg, temperature=0.7)
         try:
@@ -108,6 +116,8 @@ class TestVLLM:
         with torch.no_grad():
             at_07 = vpolicy.score(batch, temperature=0.7)["logp"][m]
             at_1 = vpolicy.score(batch, temperature=1.0)["logp"][m]
+        for row, n, trunc in zip(batch.actions, batch.mask.sum(1).long(), batch.truncated):  # stop tokens kept
+            assert (row[n - 1].item() in vpolicy.stop_ids) != bool(trunc) and (not trunc or n == vpolicy.cfg.max_new_tokens)
         assert (at_07 - batch.sampler_logp[m]).abs().mean() < 1e-3  # vLLM returned logprobs of logits / 0.7
         assert (at_1 - batch.sampler_logp[m]).abs().mean() > 1e-2   # not the raw logits'
         assert not torch.isclose(at_07, at_1).all()
