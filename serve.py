@@ -297,7 +297,8 @@ class AsyncSource:
         with self.hub.cond:
             self.hub.done, t = True, time.time()
             self.hub.cond.notify_all()
-        deadline = {w: min(seen + 3 * self.hub.gap[w] + 5, t + 30) for w, seen in self.hub.seen.items()}
+        deadline = {w: t + 30 if seen > t - 60 else min(seen + 3 * self.hub.gap[w] + 5, t + 30)
+                    for w, seen in self.hub.seen.items()}  # anyone heard from in the last minute: 30 s
         while any(self.hub.seen[w] <= t < end and time.time() < end for w, end in deadline.items()):
             time.sleep(0.1)
         self.server.shutdown()
