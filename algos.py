@@ -3,7 +3,7 @@ share one clipped policy loss and one value loss. Pure functions of tensors, no 
 """
 import torch
 
-from utils import all_reduce_sum, discounted_cumsum, gae, masked_sum, whiten
+from utils import Batch, all_reduce_sum, discounted_cumsum, gae, masked_sum, whiten
 
 
 # --- advantage estimators: fn(batch, cfg) -> (A [N, T], returns [N, T] or None) ----------------
@@ -56,6 +56,19 @@ def rloo(b, cfg):
 
 ADVANTAGES = {"reinforce": reinforce, "reinforce_baseline": reinforce_baseline, "ppo": ppo,
               "grpo": grpo, "rloo": rloo}
+
+
+def needs_groups(advantage, cfg):
+    """True for a group-relative estimator, one that gives a sample alone in its group no signal (A all
+    0, or not finite): with group_size 1 it would train nothing and say nothing. Asked of the estimator
+    itself on two one-step samples with rewards 1 and 0, so an algorithm a user adds is covered too."""
+    def signal(group):
+        one = torch.ones(2, 1)
+        b = Batch(obs=one, actions=one.long(), mask=one, rewards=torch.tensor([[1.0], [0.0]]), group=torch.tensor(group),
+                  truncated=torch.zeros(2, dtype=torch.bool), values=torch.zeros(2, 1))
+        A = advantage(b, cfg)[0]
+        return bool(torch.isfinite(A).all() and A.abs().sum() > 0)
+    return not signal([0, 1]) and signal([0, 0])
 
 
 # --- losses -------------------------------------------------------------------------------------

@@ -12,15 +12,15 @@ import re
 
 import yaml
 
-ALGOS = ("reinforce", "reinforce_baseline", "ppo", "grpo", "rloo")
+ONE_SHOT = ("check_parity", "ask")  # act once and exit: never written to a run's config.yaml
 
 
 @dataclasses.dataclass
 class Config:
     # --- run ---
-    task: str = "cartpole"  # cartpole (any gymnasium env via --env), arith, countdown, jsonl
+    task: str = "cartpole"  # what to learn: a gymnasium env (cartpole, with --env) or an LLM task of tasks.TASKS
     env: str = "CartPole-v1"  # gymnasium id for control tasks: discrete actions, Box observations
-    algo: str = "reinforce"  # advantage estimator: reinforce, reinforce_baseline, ppo, grpo, rloo
+    algo: str = "reinforce"  # advantage estimator, one of algos.ADVANTAGES
     seed: int = 0  # seeds python, torch, env resets and prompt order
     steps: int = 300  # maximum training steps (one batch + one update each)
     out: str = ""  # run directory ("" = runs/<task>-<algo>-<time>)
@@ -28,7 +28,7 @@ class Config:
     eval_every: int = 5  # greedy evaluation every N steps, and always at step 0 (0 = step 0 only)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end)
     stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
-    device: str = "cpu"  # torch device: cpu, cuda, cuda:1 ...
+    device: str = "cpu"  # torch device for LLM tasks: cpu, cuda, cuda:1 ... (control tasks always run on the CPU)
     threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
     # --- async (serve.py): a trainer and any number of rollout workers ---
     role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
@@ -52,12 +52,13 @@ class Config:
     max_new_tokens: int = 32  # completion length cap; also the constant L_max of seq_mean_token_sum_norm
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
     gen_batch: int = 64  # sequences per generate call
-    gen_dtype: str = "bfloat16"  # the sampler's copy of the weights: bfloat16 or float32 (the trainer is fp32)
+    gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
     generator: str = "hf"  # sampler: hf (transformers generate) or vllm (LoRA hot-swapped after each publish)
     vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache
     vllm_kv_gib: int = 2  # vllm on a CPU: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE unless already set)
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
     check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit (1 = over parity_tol)
+    ask: str = ""  # with --resume RUN: print the trained policy's greedy reply to this prompt, then exit
     parity_tol: float = 1e-3  # largest mean |delta logp| --check-parity accepts (use fp32: --no-bf16 --gen-dtype float32)
     probe_tol: float = 0.25  # trainer warns when a worker's sync probe logprobs differ from its own by more (bf16 noise: ~0.1)
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
@@ -97,9 +98,6 @@ class Config:
         def need(ok, msg):
             if not ok:
                 raise SystemExit(f"config error: {msg}")
-        need(self.algo in ALGOS, f"algo {self.algo!r} is unknown; pick one of {', '.join(ALGOS)}")
-        need(self.algo not in ("grpo", "rloo") or self.group_size >= 2,
-             f"{self.algo} compares samples of the same prompt: set --group-size 2 or more")
         need(self.batch_size % self.group_size == 0,
              f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
         need(self.eps_high >= self.eps, f"eps_high {self.eps_high} < eps {self.eps}: set --eps-high >= --eps")
@@ -115,9 +113,9 @@ class Config:
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
              "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
         need(not self.kl_in_reward or self.algo == "ppo", "kl_in_reward needs per-token credit: use --algo ppo")
-        dtypes = ("bfloat16", "float32", "float16")
+        dtypes = ("auto", "bfloat16", "float32", "float16")
         need(self.gen_dtype in dtypes, f"gen_dtype {self.gen_dtype!r}: use one of {dtypes}")
-        need(self.wire_dtype in dtypes + ("auto",), f"wire_dtype {self.wire_dtype!r}: use auto or one of {dtypes}")
+        need(self.wire_dtype in dtypes, f"wire_dtype {self.wire_dtype!r}: use one of {dtypes}")
         need(self.role in ("sync", "trainer", "rollout"), f"role {self.role!r}: use sync, trainer or rollout")
         need(self.role != "rollout" or self.trainer_url, "a rollout worker needs --trainer-url http://HOST:PORT")
         need(self.max_staleness >= 0 and self.max_queue >= 1, "max_staleness must be >= 0 and max_queue >= 1")
@@ -135,34 +133,68 @@ def _field_help():
 
 
 def _closest(key, valid):
-    hit = difflib.get_close_matches(key, valid, n=1)
+    """' (did you mean X?)' for a near-miss of a field or flag name: by spelling, else by meaning (a
+    field whose help says the key's words: learning_rate -> lr, "Adam learning rate")."""
+    helps, words = _field_help(), key.strip("-").replace("-", " ").replace("_", " ")
+    hit = difflib.get_close_matches(key, valid, n=1) or [
+        v for v in valid if len(words) > 3 and words in helps.get(v.strip("-").replace("-", "_"), "")]
     return f" (did you mean {hit[0]!r}?)" if hit else ""
 
 
+def _typed(key, value, typ, where):
+    """A YAML value as the field's type, or a config error. YAML 1.1 reads 1e-4 as a string, so a float
+    field takes a numeric string; nothing else is converted: "false" is not a bool, "abc" not an int."""
+    if type(value) is typ or typ is float and type(value) in (int, str):
+        try:
+            return typ(value)
+        except ValueError:
+            pass
+    example = {bool: "true or false", int: "an integer such as 8", float: "a number such as 3e-4", str: "a string"}[typ]
+    raise SystemExit(f"config error: {key} must be {example}, not {value!r} (in {where})")
+
+
 def load_yaml(path):
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    if not os.path.isfile(path):
+        raise SystemExit(f"config error: no config file {path!r} (the presets are in configs/, e.g. configs/cartpole_ppo.yaml)")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise SystemExit(f"config error: {path} is not valid YAML: {str(e).splitlines()[0]}")
+    if not isinstance(data, dict):
+        raise SystemExit(f"config error: {path} must hold 'key: value' lines")
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     for key, value in data.items():
         if key not in types:
-            raise SystemExit(f"config error: unknown key {key!r} in {path}{_closest(key, list(types))}")
-        if types[key] is not bool:  # YAML 1.1 reads 1e-4 as a string; cast through the field's type
-            data[key] = types[key](value)
+            raise SystemExit(f"config error: unknown key {key!r} in {path}{_closest(str(key), list(types))}")
+        data[key] = _typed(key, value, types[key], path)
     return data
 
 
-def parse(argv=None):
-    """CLI -> Config: defaults, then --config FILE.yaml, then explicit flags; validated."""
-    helps = _field_help()
+def resumed(run_dir):
+    """--resume RUN_DIR: the run's own config, or a one-line error when there is nothing to resume."""
+    if not os.path.isfile(os.path.join(run_dir, "checkpoint.safetensors")):
+        raise SystemExit(f"config error: --resume {run_dir}: " + ("no checkpoint.safetensors there (a run saves one every "
+                         "--save-every steps and at the end); to start afresh use --out" if os.path.isdir(run_dir)
+                         else "no such run directory"))
+    return load_yaml(os.path.join(run_dir, "config.yaml"))
+
+
+def parse(argv=None, choices=None):
+    """CLI -> Config: defaults, then --config FILE.yaml, then explicit flags; validated. `choices` maps a
+    field to its registered names (train.py passes tasks.TASKS and algos.ADVANTAGES): --help lists them,
+    and any other value is an error."""
+    helps, choices = _field_help(), choices or {}
     parser = argparse.ArgumentParser(description="flatrl: RL post-training in seven flat files",
                                      allow_abbrev=False, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="YAML preset; flags given here override it")
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
+        flag, help = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
+        help += f" [{', '.join(choices[f.name])}]" if f.name in choices else ""
         if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=helps.get(f.name))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            parser.add_argument(flag, type=f.type, help=helps.get(f.name), metavar=f.name.upper())
+            parser.add_argument(flag, type=f.type, help=help, metavar=f.name.upper())
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)]
@@ -170,10 +202,16 @@ def parse(argv=None):
     args = vars(args)
     preset = load_yaml(args.pop("config")) if "config" in args else {}
     if args.get("resume"):  # a resumed run keeps its own config; flags (e.g. --steps) still win
-        preset = {**load_yaml(os.path.join(args["resume"], "config.yaml")), **preset}
-    return Config(**{**preset, **args}).validate()
+        preset = {**resumed(args["resume"]), **preset}
+    cfg = Config(**{**preset, **args})
+    for key, names in choices.items():
+        value = getattr(cfg, key)
+        if value not in names:
+            raise SystemExit(f"config error: {key} {value!r} is unknown{_closest(value, list(names))}; "
+                             f"pick one of {', '.join(names)}")
+    return cfg.validate()
 
 
 def save(cfg, path):
     with open(path, "w") as f:
-        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        yaml.safe_dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ONE_SHOT}, f, sort_keys=False)

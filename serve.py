@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from model import check_parity
-from utils import Batch
+from utils import Batch, Logger
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
 FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
@@ -126,7 +126,7 @@ class Hub:
         self.cond = threading.Condition()
         self.version, self.blob, self.sha, self.queue, self.done = version, b"", "", [], False
         self.counts = {"accepted": 0, "rejected": 0, "dropped_stale": 0, "dropped_busy": 0}
-        self.seen, self.gap = {}, {}  # worker id -> last time it was heard from, longest wait between two posts
+        self.seen, self.told = {}, set()  # worker id -> last time heard from; workers that know training ended
 
 
 def make_handler(hub, cfg, expect, token):
@@ -173,9 +173,13 @@ def make_handler(hub, cfg, expect, token):
                 q = {k: int(v) for k, (v,) in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items()}
             except ValueError:
                 return self.fail(400, "query parameters have and wait must be integers")
-            have, wait = q.get("have", -1), min(max(q.get("wait", 0), 0), 60)
+            have, wait, worker = q.get("have", -1), min(max(q.get("wait", 0), 0), 60), self.headers.get("X-Flatrl-Worker")
             with hub.cond:
+                if worker:  # a flatrl worker (a curl is not waited for at the end)
+                    hub.seen[worker] = time.time()
                 hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
+                if hub.done or hub.version >= cfg.steps:  # a worker stops at the final weights too
+                    hub.told.add(worker)
                 if hub.done:
                     return self.reply(410, {"error": "training finished"})
                 if hub.version == have:
@@ -203,10 +207,9 @@ def make_handler(hub, cfg, expect, token):
             except ValueError as e:
                 return self.fail(400, str(e))
             with hub.cond:
-                now = time.time()
-                hub.gap[worker] = max(hub.gap.get(worker, 0.0), now - hub.seen.get(worker, now))
-                hub.seen[worker] = now
+                hub.seen[worker] = time.time()
                 if hub.done:
+                    hub.told.add(worker)
                     return self.reply(410, {"error": "training finished"})
                 if batch.version > hub.version:
                     return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
@@ -292,14 +295,19 @@ class AsyncSource:
                     **({"probe_gap": max(p)} if p else {}), **{k: v for k, v in self.hub.counts.items() if k != "accepted"}}
 
     def close(self):
-        """Tell the workers training is over (410), give each live one the time it usually takes to
-        come back (3x its longest gap between posts + 5 s, at most 30 s) to hear it, then stop serving."""
+        """Tell the workers training is over (410 on their next request), wait until every worker heard
+        from in the last two minutes has heard it, at most 30 s, then stop serving. A worker that found no
+        trainer would retry for connect_timeout seconds and exit 1."""
         with self.hub.cond:
             self.hub.done, t = True, time.time()
             self.hub.cond.notify_all()
-        deadline = {w: t + 30 if seen > t - 60 else min(seen + 3 * self.hub.gap[w] + 5, t + 30)
-                    for w, seen in self.hub.seen.items()}  # anyone heard from in the last minute: 30 s
-        while any(self.hub.seen[w] <= t < end and time.time() < end for w, end in deadline.items()):
+
+        def live():
+            with self.hub.cond:  # handler threads add workers to seen
+                return [w for w, seen in self.hub.seen.items() if seen > t - 120 and w not in self.hub.told]
+        if live():
+            self.log.say(f"training ended: waiting up to 30 s for {len(live())} worker(s) to hear it")
+        while live() and time.time() < t + 30:
             time.sleep(0.1)
         self.server.shutdown()
         self.server.server_close()
@@ -310,10 +318,10 @@ class AsyncSource:
 class Client:
     """HTTP to the trainer with retries: while it is unreachable, back off up to connect_timeout s."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, worker):
         self.url, self.cfg = cfg.trainer_url.rstrip("/"), cfg
         token = os.environ.get("FLATRL_TOKEN")
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = {"X-Flatrl-Worker": worker, **({"Authorization": f"Bearer {token}"} if token else {})}
 
     def call(self, path, body=None, timeout=120):
         """-> (status, headers, body bytes). HTTP errors are answers; only an unreachable trainer retries."""
@@ -332,13 +340,21 @@ class Client:
                 delay = min(delay * 2, 8.0)
 
 
-def run_worker(cfg, task, policy, log):
-    """Pull the newest weights, sample a batch with them, push it; until the trainer says it is done."""
-    client, worker = Client(cfg), uuid.uuid4().hex[:8]
+def run_worker(cfg, task, policy):
+    """Pull the newest weights, sample a batch with them, push it; until the trainer says it is done.
+    The progress bar shows the trainer's steps (the weights version), not this worker's batches."""
+    worker = uuid.uuid4().hex[:8]
+    client = Client(cfg, worker)
     status, _, body = client.call("/config")
     if status != 200:
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
     remote = json.loads(body)
+    log = Logger(cfg.out, 0, remote["steps"])
+
+    def finished():
+        log.bar.update(log.bar.total - log.bar.n)
+        log.bar.close()
+        log.say(f"worker {worker}: training finished after {n} batches")
     for k, theirs in remote["fingerprint"].items():
         if getattr(cfg, k) != theirs:
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
@@ -348,8 +364,7 @@ def run_worker(cfg, task, policy, log):
     while True:
         status, headers, body = client.call(f"/weights?have={version}&wait={wait}")
         if status == 410:
-            log.say(f"worker {worker}: training finished after {n} batches")
-            return
+            return finished()
         if status == 200:
             if hashlib.sha256(body).hexdigest() != headers["X-Flatrl-Sha256"]:
                 continue  # corrupted in transit: fetch again
@@ -357,8 +372,7 @@ def run_worker(cfg, task, policy, log):
             policy.publish()
             version = int(headers["X-Flatrl-Version"])
             if version >= remote["steps"]:  # the final weights: the trainer is evaluating and closing
-                log.say(f"worker {worker}: training finished after {n} batches")
-                return
+                return finished()
             probe = policy.generator.score(policy.probe())[0].tolist() if task.llm else None
         elif status != 304:
             raise SystemExit(f"trainer refused /weights ({status}): {body[:200].decode(errors='replace')}")
@@ -369,10 +383,9 @@ def run_worker(cfg, task, policy, log):
         batch.version, batch.probe = version, probe
         status, _, body = client.call("/rollouts", pack_batch(batch, worker))
         if status == 410:
-            log.say(f"worker {worker}: training finished after {n} batches")
-            return
+            return finished()
         n += status == 200
         wait = 30 if status == 503 else 0  # a full queue: wait for the next version instead of running ahead
-        log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item()})
+        log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item()}, version)
         if status not in (200, 503):
             log.say(f"worker {worker}: batch refused ({status}): {body[:300].decode(errors='replace')}")

@@ -26,7 +26,10 @@ class GymTask:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        spec = gym.spec(cfg.env)
+        try:
+            spec = gym.spec(cfg.env)
+        except gym.error.Error as e:  # names the versions or the closest env gymnasium knows
+            raise SystemExit(f"config error: --env {cfg.env}: {e}")
         self.envs = [gym.make(cfg.env, disable_env_checker=True)
                      for _ in range(max(cfg.batch_size, cfg.eval_episodes))]
         space, obs_space = self.envs[0].action_space, self.envs[0].observation_space

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import config as config_lib
-from algos import ADVANTAGES, group_stats, loss_weights, pg_loss, value_loss
+from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, value_loss
 from model import HFPolicy, MLPPolicy, check_parity
 from serve import AsyncSource, SyncSource, run_worker
 from tasks import TASKS
@@ -26,8 +26,9 @@ from utils import Logger, all_reduce_sum, load_checkpoint, masked_mean, rank, sa
 
 
 def build(cfg):
-    if cfg.task not in TASKS:
-        raise SystemExit(f"config error: task {cfg.task!r} is unknown; pick one of {', '.join(TASKS)}")
+    if cfg.group_size < 2 and needs_groups(ADVANTAGES[cfg.algo], cfg):
+        raise SystemExit(f"config error: {cfg.algo} compares samples of the same prompt, and a group of one has "
+                         f"nothing to compare: set --group-size 2 or more")
     task = TASKS[cfg.task](cfg)
     if cfg.kl_coef and not task.llm:
         raise SystemExit("config error: the KL penalty needs a reference model (LLM tasks); set --kl-coef 0")
@@ -138,10 +139,14 @@ def batch_metrics(batch, cfg):
 
 def setup(cfg):
     """Run directory, data parallelism (torchrun sets WORLD_SIZE: gloo on CPU, nccl on GPU), seeds."""
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA GPU: "
+                         "use --device cpu, or install a CUDA build of torch")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
         cfg.device = f"cuda:{os.environ['LOCAL_RANK']}" if cfg.device.startswith("cuda") else cfg.device
-    cfg.out = cfg.resume or cfg.out or f"runs/{cfg.task}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task
+    cfg.out = cfg.resume or cfg.out or f"runs/{name}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     os.makedirs(cfg.out, exist_ok=True)
     if rank() == 0:
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
@@ -158,8 +163,17 @@ def restore(ckpt_path, policy, opt):
     return meta["step"], meta["time_s"] - (time.time() - T0)
 
 
+def results_line(cfg, log, llm):
+    """The last thing a run prints: where its files are, its last evaluation, and how to try an LLM."""
+    evals = ", ".join(f"{k[5:]} {v:.3g}" for k, v in log.last_eval.items())
+    return (f"results in {cfg.out}/: {', '.join(sorted(os.listdir(cfg.out)))} (last eval: {evals})"
+            + (f"; try it: python train.py --resume {cfg.out} --ask \"your prompt\"" if llm else ""))
+
+
 def main(argv=None):
-    cfg = config_lib.parse(argv)
+    cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
+    if cfg.ask and not (TASKS[cfg.task].llm and cfg.resume):
+        raise SystemExit("config error: --ask answers with a trained LLM run: python train.py --resume RUN_DIR --ask '...'")
     setup(cfg)
     task, policy = build(cfg)
     if cfg.check_parity:
@@ -168,14 +182,15 @@ def main(argv=None):
         ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
         raise SystemExit(0 if ok else 1)
     if cfg.role == "rollout":
-        log = Logger(cfg.out, 0, cfg.steps)
         try:
-            return run_worker(cfg, task, policy, log)
+            return run_worker(cfg, task, policy)
         except KeyboardInterrupt:  # Ctrl-C: only the batch in flight is lost
-            return log.say("worker stopped")
+            return print("worker stopped")
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
     start, t_offset = restore(ckpt_path, policy, opt) if cfg.resume else (0, 0.0)
+    if cfg.ask:
+        return print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
     clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
     log = Logger(cfg.out, start, cfg.steps)
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
@@ -194,7 +209,7 @@ def main(argv=None):
                 row.update(task.evaluate(policy, step))  # greedy, held out; step 0 is before any update
             solved = cfg.stop_when_solved and task.solved(row)
             if solved or step == cfg.steps:
-                log.log({**row, "time_s": clock()})
+                log.log({**row, "time_s": clock()}, done)
                 if solved:
                     log.say(f"solved at step {step} after {clock():.1f} s")
                 break
@@ -210,8 +225,8 @@ def main(argv=None):
             stats["train_tok_s"] = batch.mask.sum().item() / (time.time() - t)
             # 4 - publish, log, save
             source.publish(step + 1)
-            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **source.stats()})
             done = step + 1
+            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **source.stats()}, done)
             if cfg.save_every and done % cfg.save_every == 0:
                 save(done)
     except KeyboardInterrupt:
@@ -219,6 +234,7 @@ def main(argv=None):
     save(done)
     source.close()
     log.close(cfg.out)
+    log.say(results_line(cfg, log, task.llm))
     return policy
 
 

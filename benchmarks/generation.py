@@ -85,6 +85,8 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     a = p.parse_args()
+    if a.rounds < 1 or a.steps < 3:  # checked before minutes of work: step times are taken from the 2nd step on
+        p.error("--rounds must be >= 1 and --steps >= 3 (the first step is warm-up, a time needs two more)")
     combos = [(lib, dt) for dt in ("float32", "bfloat16") for lib in ("hf", "vllm")]
     res = {c: [] for c in combos}
     for r in range(a.rounds):

@@ -1,7 +1,20 @@
 """Shared fixtures: a tiny Llama and a character-level tokenizer, built in-process (no network)."""
+import os
 import string
 
 import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the suite never needs the hub; unreachable, each load would retry it
+SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def smol_cached():
+    """Is SmolLM2 in the Hugging Face cache (wherever HF_HOME / HF_HUB_CACHE put it)?"""
+    from huggingface_hub import try_to_load_from_cache
+    return isinstance(try_to_load_from_cache(SMOL, "config.json"), str)
+
+
+needs_smol = pytest.mark.skipif(not smol_cached(), reason='SmolLM2 not cached: python -c "import model; model.cache_smollm2()"')
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARS = list(string.ascii_letters + string.digits + " +-*/()<>=?.,:\n")

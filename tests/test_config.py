@@ -2,6 +2,10 @@
 import pytest
 
 import config
+from algos import ADVANTAGES
+from tasks import TASKS
+
+CHOICES = {"task": list(TASKS), "algo": list(ADVANTAGES)}  # what train.py passes
 
 
 def test_defaults_yaml_and_flags_layer(tmp_path):
@@ -20,9 +24,10 @@ def test_config_round_trips_through_the_run_dir(tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--lrr", "3"], "did you mean '--lr'"),
-    (["--algo", "grpo"], "--group-size 2"),
-    (["--algo", "rloo", "--group-size", "1"], "--group-size 2"),
-    (["--algo", "a2c"], "pick one of"),
+    (["--learning-rate", "3"], "did you mean '--lr'"),
+    (["--algo", "a2c"], "pick one of reinforce, reinforce_baseline, ppo, grpo, rloo"),
+    (["--algo", "grpoo"], "did you mean 'grpo'"),
+    (["--task", "arithmetic"], "did you mean 'arith'"),
     (["--eps", "0.3"], "--eps-high >= --eps"),
     (["--dual-clip", "0.5"], "> 1"),
     (["--loss-agg", "mean"], "token_mean"),
@@ -31,8 +36,49 @@ def test_config_round_trips_through_the_run_dir(tmp_path):
 ])
 def test_rejections_name_the_fix(argv, needle):
     with pytest.raises(SystemExit, match="config error") as e:
-        config.parse(argv)
+        config.parse(argv, CHOICES)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('stop_when_solved: "false"', "stop_when_solved must be true or false, not 'false'"),
+    ("stop_when_solved: no_thanks", "stop_when_solved must be true or false, not 'no_thanks'"),
+    ("norm_std: 0", "norm_std must be true or false, not 0"),
+    ("steps: abc", "steps must be an integer such as 8, not 'abc'"),
+    ("steps: 8.5", "steps must be an integer such as 8, not 8.5"),
+    ("lr: fast", "lr must be a number such as 3e-4, not 'fast'"),
+    ("lr: true", "lr must be a number such as 3e-4, not True"),
+    ("model: 7", "model must be a string, not 7"),
+    ("learning_rate: 0.1", "unknown key 'learning_rate' in .* \\(did you mean 'lr'\\?\\)"),
+    ("- a list", "p.yaml must hold 'key: value' lines"),
+])
+def test_yaml_values_are_type_checked(tmp_path, line, needle):
+    preset = tmp_path / "p.yaml"
+    preset.write_text(line + "\n")
+    with pytest.raises(SystemExit, match="^config error: .*" + needle):
+        config.parse(["--config", str(preset)])
+
+
+def test_yaml_booleans_and_numbers_that_are_fine(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("stop_when_solved: false\nlr: 1e-4\ngamma: 1\nsteps: 12\n")  # YAML 1.1: 1e-4 is a string
+    cfg = config.parse(["--config", str(preset)])
+    assert (cfg.stop_when_solved, cfg.lr, cfg.gamma, cfg.steps) == (False, 1e-4, 1.0, 12)
+    assert type(cfg.gamma) is float
+
+
+def test_help_lists_the_registered_tasks_and_algorithms(capsys):
+    with pytest.raises(SystemExit):
+        config.parse(["--help"], CHOICES)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[cartpole, gym, arith, countdown, jsonl]" in out and "[reinforce, reinforce_baseline, ppo, grpo, rloo]" in out
+
+
+def test_one_shot_fields_are_not_saved_with_the_run(tmp_path):
+    cfg = config.parse(["--ask", "What is 2 + 2?", "--check-parity"])
+    config.save(cfg, tmp_path / "config.yaml")
+    again = config.parse(["--config", str(tmp_path / "config.yaml")])
+    assert (again.ask, again.check_parity) == ("", False)
 
 
 def test_unknown_yaml_key_names_the_closest(tmp_path):
@@ -52,4 +98,4 @@ def test_every_preset_parses():
     presets = glob.glob("configs/*.yaml")
     assert len(presets) >= 10
     for path in presets:
-        assert config.parse(["--config", path]).algo in config.ALGOS
+        assert config.parse(["--config", path], CHOICES).algo in ADVANTAGES

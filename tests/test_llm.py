@@ -5,6 +5,8 @@ import csv
 import dataclasses
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import train
 from algos import ADVANTAGES
+from conftest import needs_smol
 from config import Config
 from model import HFPolicy, pack
 from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
@@ -195,7 +198,7 @@ def test_two_gloo_ranks_equal_one_process(tiny_llm, tmp_path, agg):
 
 
 def test_lora_adapter_round_trip(tiny_llm, tmp_path):
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM
     cfg = llm_cfg(tiny_llm)
     policy = HFPolicy(cfg)
     _, batch = sampled(policy, cfg)
@@ -203,12 +206,27 @@ def test_lora_adapter_round_trip(tiny_llm, tmp_path):
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
     train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch, cfg, 8)
     policy.save_adapter(tmp_path / "adapter")
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llm), tmp_path / "adapter")
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")  # as README shows: no flatrl needed
     with torch.no_grad():
         ours = policy.lm(input_ids=batch.obs, attention_mask=batch.attn).logits
         theirs = loaded(input_ids=batch.obs, attention_mask=batch.attn).logits
         base = AutoModelForCausalLM.from_pretrained(tiny_llm)(input_ids=batch.obs, attention_mask=batch.attn).logits
     assert torch.allclose(ours, theirs, atol=1e-6) and not torch.allclose(ours, base, atol=1e-3)
+
+
+def test_readme_adapter_example_loads_the_trained_policy(tiny_llm, tmp_path, capsys):
+    import re
+    code = next(b for b in re.findall(r"```python\n(.*?)```", open("README.md").read(), re.S) if "AutoPeft" in b)
+    policy = train.main(["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--group-size", "2", "--steps", "1",
+                         "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--lr", "0.5", "--out", str(tmp_path)])
+    namespace = {}
+    exec(code.replace("runs/arith-grpo-...", str(tmp_path)), namespace)  # the README's snippet, verbatim
+    assert capsys.readouterr().out.strip().splitlines()  # it printed a reply
+    batch = sampled(policy, policy.cfg)[1]
+    with torch.no_grad():
+        theirs = namespace["lm"](input_ids=batch.obs, attention_mask=batch.attn).logits
+        ours = policy.lm(input_ids=batch.obs, attention_mask=batch.attn).logits
+    assert torch.allclose(ours, theirs, atol=1e-5)  # the trained adapter, not the base model
 
 
 def test_publish_hands_the_trained_weights_to_the_generator(tiny_llm):
@@ -227,15 +245,22 @@ def test_publish_hands_the_trained_weights_to_the_generator(tiny_llm):
     assert not torch.allclose(before, trainer, atol=1e-3) and torch.allclose(after, trainer, atol=1e-5)
 
 
-def test_llm_resume_equals_never_stopped(tiny_llm, tmp_path, digits_task):
+def test_llm_resume_equals_never_stopped_and_ask_answers_with_it(tiny_llm, tmp_path, digits_task, capsys):
     common = ["--task", "digits", "--model", tiny_llm, "--algo", "rloo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01", "--eval-every", "0",
               "--gen-dtype", "float32"]
-    train.main(common + ["--steps", "3", "--out", str(tmp_path / "full")])
+    policy = train.main(common + ["--steps", "3", "--out", str(tmp_path / "full")])
     train.main(common + ["--steps", "1", "--out", str(tmp_path / "half")])
     train.main(["--resume", str(tmp_path / "half"), "--steps", "3"])
     full, half = (load_file(tmp_path / d / "checkpoint.safetensors") for d in ("full", "half"))
     assert full.keys() == half.keys() and all(torch.equal(full[k], half[k]) for k in full)
+    metrics = (tmp_path / "half" / "metrics.csv").read_text()
+    capsys.readouterr()
+    train.main(["--resume", str(tmp_path / "half"), "--ask", "What is 1 + 1?"])
+    reply = policy.generate(["What is 1 + 1?"], 1, greedy=True)[1][0]
+    assert capsys.readouterr().out == reply + "\n"  # the trained policy's greedy reply, nothing else
+    assert (tmp_path / "half" / "metrics.csv").read_text() == metrics  # --ask trains and logs nothing
+    assert "\nask:" not in (tmp_path / "half" / "config.yaml").read_text()
 
 
 # --- reward helpers and the countdown evaluator ----------------------------------------------------
@@ -297,13 +322,9 @@ def test_held_out_prompts_never_train():
 
 # --- a real model -----------------------------------------------------------------------------------
 
-SMOL = os.path.expanduser("~/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir(SMOL), reason='SmolLM2 not cached: python -c "import model; model.cache_smollm2()"')
-def test_smollm2_grpo_steps(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@needs_smol
+def test_smollm2_grpo_steps(tmp_path):
     train.main(["--config", "configs/arith_grpo_cpu.yaml", "--steps", "2", "--batch-size", "8", "--n-eval", "8",
                 "--max-new-tokens", "16", "--out", str(tmp_path)])
     with open(tmp_path / "metrics.csv") as f:
@@ -311,6 +332,22 @@ def test_smollm2_grpo_steps(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == ["0", "1", "2"]
     assert 0 <= float(rows[0]["eval_acc"]) <= 1 and float(rows[1]["gen_tok_s"]) > 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_model_lookups_follow_hf_home(tmp_path):
+    """The suite's skip check and model.local_copy find a cached model wherever HF_HOME points, and only there."""
+    snap = tmp_path / "home" / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    (snap / "snapshots" / "abc").mkdir(parents=True)
+    (snap / "snapshots" / "abc" / "config.json").write_text("{}")
+    (snap / "refs").mkdir()
+    (snap / "refs" / "main").write_text("abc")
+    code = ("import sys; sys.path.insert(0, 'tests'); import conftest, model; "
+            "print(conftest.smol_cached(), model.local_copy(conftest.SMOL))")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_CACHE"}
+    for home, expect in ((tmp_path / "home", f"True {snap / 'snapshots' / 'abc'}"),
+                         (tmp_path / "elsewhere", "False HuggingFaceTB/SmolLM2-135M-Instruct")):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "HF_HOME": str(home)}, capture_output=True, text=True)
+        assert out.stdout.strip() == expect, out.stderr[-1000:]
 
 
 def test_readme_task_example_works():

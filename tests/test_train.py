@@ -1,7 +1,12 @@
-"""The loop on control tasks: invariants (ratio 1, micro-batching, resume), NaN safety, smoke runs."""
+"""The loop on control tasks: invariants (ratio 1, micro-batching, resume), NaN safety, smoke runs, and
+what a new user meets: one-line errors, the group-size guard, where the results went."""
 import copy
 import csv
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from algos import ADVANTAGES
 from config import Config
 from model import MLPPolicy
 from tasks import GymTask
+from utils import Logger
 
 
 def rollout(cfg, seed=0):
@@ -92,7 +98,7 @@ def test_resume_equals_never_stopped(tmp_path, algo):
     assert meta_full["step"] == meta_half["step"] == 4
     assert full.keys() == half.keys() and all(torch.equal(full[k], half[k]) for k in full)
     with open(tmp_path / "half" / "metrics.csv") as f:
-        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2", "2", "3", "4"]  # 2 = stop + resume
+        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2", "3", "4"]  # step 2 once: redone on resume
 
 
 @pytest.mark.parametrize("algo", ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"])
@@ -106,10 +112,12 @@ def test_two_step_smoke_per_algo(tmp_path, algo):
     assert (tmp_path / "curves.png").exists() and (tmp_path / "config.yaml").exists()
 
 
-def test_acrobot_runs(tmp_path):
-    train.main(["--task", "cartpole", "--env", "Acrobot-v1", "--steps", "1", "--batch-size", "2",
-                "--eval-episodes", "2", "--out", str(tmp_path)])
-    with open(tmp_path / "metrics.csv") as f:
+def test_acrobot_runs_and_is_named_after_its_env(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train.main(["--task", "cartpole", "--env", "Acrobot-v1", "--steps", "1", "--batch-size", "2", "--eval-episodes", "2"])
+    (run,) = os.listdir("runs")
+    assert run.startswith("acrobot-v1-reinforce-")
+    with open(f"runs/{run}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert -500 <= float(rows[0]["eval_return"]) <= 0  # -1 per step, at most 500 steps
 
@@ -119,4 +127,48 @@ def test_solves_cartpole_and_stops(tmp_path, capsys):
     with open(tmp_path / "metrics.csv") as f:
         last = list(csv.DictReader(f))[-1]
     assert float(last["eval_return"]) >= 475 and int(last["step"]) < 300
-    assert f"solved at step {last['step']}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"solved at step {last['step']}" in out
+    assert (f"results in {tmp_path}/: checkpoint.safetensors, config.yaml, curves.png, metrics.csv "
+            f"(last eval: return {float(last['eval_return']):.3g})") in out
+
+
+README_ALGO = re.search(r"```python\n(def reinforce_max.*?)```", open("README.md").read(), re.S).group(1)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce_max"])
+def test_group_estimators_refuse_groups_of_one(tmp_path, monkeypatch, algo):
+    namespace = {"torch": torch}
+    exec(README_ALGO, namespace)  # the README's example, verbatim, added as a user would
+    monkeypatch.setitem(train.ADVANTAGES, "reinforce_max", namespace["reinforce_max"])
+    with pytest.raises(SystemExit, match="set --group-size 2 or more"):
+        train.main(["--algo", algo, "--steps", "1", "--out", str(tmp_path)])
+    train.main(["--algo", algo, "--group-size", "2", "--steps", "1", "--out", str(tmp_path)])  # fine with groups
+
+
+def test_progress_bar_counts_done_steps(tmp_path):
+    log = Logger(str(tmp_path), 0, 3)
+    log.log({"step": 0, "time_s": 0.1, "reward": 1.0}, 1)
+    log.log({"step": 3, "time_s": 0.2, "eval_return": 9.0}, 3)
+    assert (log.bar.n, log.bar.total) == (3, 3)
+    log.close(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--config", "configs/nope.yaml"], "no config file 'configs/nope.yaml' (the presets are in configs/"),
+    (["--resume", "EMPTY"], "no checkpoint.safetensors there"),
+    (["--resume", "EMPTY/missing"], "no such run directory"),
+    (["--env", "CartPole-v9", "--steps", "1"], "It provides versioned environments: [ `v0`, `v1` ]"),
+    (["--task", "arith", "--model", "nobody/no-such-model", "--steps", "1"], "cannot load --model nobody/no-such-model"),
+    (["--config", "TYPO"], "unknown key 'learning_rate'"),
+    (["--task", "arith", "--ask", "hi"], "--ask answers with a trained LLM run"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "sees no CUDA GPU: use --device cpu")]))
+def test_user_mistakes_are_one_line_errors(tmp_path, argv, needle):
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "typo.yaml").write_text("learning_rate: 0.1\n")
+    argv = [a.replace("EMPTY", str(tmp_path / "EMPTY")).replace("TYPO", str(tmp_path / "typo.yaml")) for a in argv]
+    run = subprocess.run([sys.executable, "train.py", *argv, "--out", str(tmp_path / "run")], capture_output=True,
+                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip().startswith("config error: ") and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert needle in run.stderr

