@@ -172,3 +172,9 @@ def test_user_mistakes_are_one_line_errors(tmp_path, argv, needle):
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.stderr.strip().startswith("config error: ") and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert needle in run.stderr
+
+
+@pytest.mark.parametrize("flags", [["--steps", "1"], ["--steps", "2"], ["--rounds", "0"]])
+def test_generation_benchmark_checks_its_arguments_first(flags):
+    run = subprocess.run([sys.executable, "benchmarks/generation.py", *flags], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--steps >= 3" in run.stderr and run.stdout == ""  # refused before any round ran
