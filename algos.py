@@ -23,7 +23,7 @@ def reinforce_baseline(b, cfg):
 def ppo(b, cfg):
     """GAE under the OLD critic b.values (arXiv 1506.02438), whitened over real tokens; R = A + V is
     the critic's target. LLM tasks: gamma = lam = 1 turns this into R_final - V_t."""
-    A, R = gae(b.rewards, b.values, b.mask, cfg.gamma, cfg.lam)
+    A, R = gae(b.rewards, b.values, b.mask, cfg.gamma, cfg.lam, b.last_value)
     return whiten(A, b.mask), R
 
 
@@ -96,6 +96,9 @@ def pg_loss(logp, old_logp, adv, mask, cfg, weight=None, entropy=None, ref_logp=
     -> (loss, stats): stats are sums over real tokens ('tokens' counts them), 'ratio_max' a max."""
     assert logp.shape == old_logp.shape == adv.shape == mask.shape, "pg_loss wants [N, T] everywhere"
     weight = loss_weights(mask, cfg, mask.shape[1]) if weight is None else weight
+    real = mask > 0  # off the mask (padding, environment tokens) nothing may reach exp(): 0 * inf would be NaN,
+    logp, old_logp, ref_logp, sampler_logp = (  # in the loss and in its gradient alike
+        x if x is None else torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp, sampler_logp))
     ratio = torch.exp(logp - old_logp)
     clipped = ratio.clamp(1 - cfg.eps, 1 + cfg.eps_high)
     l = -torch.min(ratio * adv, clipped * adv)

@@ -49,7 +49,10 @@ class Config:
     data: str = ""  # jsonl task: a local file of {"question": ..., "answer": ...} rows
     digits: int = 1  # arith: digits per operand
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
-    max_new_tokens: int = 32  # completion length cap; also the constant L_max of seq_mean_token_sum_norm
+    max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm
+    max_turns: int = 1  # assistant replies per episode; > 1 = multi-turn: the task's env_response answers each
+    turn_discount: float = 1.0  # multi-turn: the episode's reward is scaled by this for every reply beyond the first
+    max_episode_tokens: int = 0  # multi-turn: tokens after the prompt, replies and messages together (0 = no cap)
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
     gen_batch: int = 64  # sequences per generate call
     gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
@@ -123,6 +126,7 @@ class Config:
         need(self.generator == "hf" or self.lora_r > 0,
              "--generator vllm hot-swaps LoRA adapters; full fine-tuning (lora_r 0) needs --generator hf")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
+        need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
         return self
 
 

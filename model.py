@@ -39,8 +39,10 @@ class MLPPolicy(nn.Module):
         logp_all = F.log_softmax(self.actor(batch.obs), -1)  # [N, T, A]
         logp = logp_all.gather(-1, batch.actions[..., None])[..., 0]  # [N, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
-        value = self.critic(batch.obs)[..., 0] if self.critic is not None else None  # [N, T]
-        return {"logp": logp, "entropy": entropy, "value": value}
+        return {"logp": logp, "entropy": entropy, "value": self.value(batch.obs) if self.critic else None}
+
+    def value(self, obs):  # [..., D] -> V [...]
+        return self.critic(obs)[..., 0]
 
     def params(self):
         return dict(self.named_parameters())
@@ -53,16 +55,19 @@ class MLPPolicy(nn.Module):
 # transformers and peft are imported inside these classes: importing them takes ~3.5 s on a 2-core
 # CPU, about as long as CartPole takes to solve.
 
-def pack(prompts, completions, pad_id):
+def pack(prompts, completions, pad_id, masks=None):
     """Token id lists -> (obs [N, P + T], attn [N, P + T], mask [N, T]): prompts left-padded to P,
-    completions right-padded to T, so every completion starts at column P."""
+    completions right-padded to T, so every completion starts at column P. mask is 1 on the completion's
+    tokens, or as `masks` gives it per token (0 on a multi-turn episode's environment tokens)."""
     P, T = max(map(len, prompts)), max(map(len, completions))
     obs = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
     attn = torch.zeros(len(prompts), P + T)
+    mask = torch.zeros(len(prompts), T)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         obs[i, P - len(p):P], obs[i, P:P + len(c)] = torch.tensor(p), torch.tensor(c, dtype=torch.long)
         attn[i, P - len(p):P + len(c)] = 1
-    return obs, attn, attn[:, P:].clone()
+        mask[i, :len(c)] = torch.tensor(masks[i]) if masks else 1
+    return obs, attn, mask
 
 
 class SampledLogp:
@@ -100,8 +105,10 @@ class HFGenerator:
         self.configs = {True: GenerationConfig(do_sample=False, **common),
                         False: GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, **common)}
 
-    def config(self, greedy):
-        return self.configs[greedy]
+    def config(self, greedy, max_new=None):
+        gen = copy.copy(self.configs[greedy])
+        gen.max_new_tokens = max_new or self.cfg.max_new_tokens
+        return gen
 
     @torch.no_grad()
     def sync(self, policy):
@@ -115,9 +122,10 @@ class HFGenerator:
                 mine[name.removeprefix("base_model.model.")].weight.copy_(m.base_layer.weight + m.scaling["default"] * delta)
 
     @torch.no_grad()
-    def generate(self, prompts, n, greedy=False, record=False):
+    def generate(self, prompts, n, greedy=False, record=False, max_new=None):
         """Prompt token id lists -> (n completion id lists per prompt, prompt-major, each cut after its
-        first stop token; with record, the sampler's logprob of every completion token, else None)."""
+        first stop token, at most max_new (default max_new_tokens) long; with record, the sampler's logprob
+        of every completion token, else None)."""
         completions, logps, device = [], [], self.lm.device
         rows = [p for p in prompts for _ in range(n)]
         for i in range(0, len(rows), self.cfg.gen_batch):
@@ -125,7 +133,7 @@ class HFGenerator:
             obs, attn, _ = pack(chunk, [[]] * len(chunk), self.pad_id)  # [B, P] left-padded prompts
             seen = SampledLogp(self.cfg.temperature)
             out = self.lm.generate(input_ids=obs.to(device), attention_mask=attn.to(device),
-                                   generation_config=self.config(greedy), logits_processor=[seen] if record else None)
+                                   generation_config=self.config(greedy, max_new), logits_processor=[seen] if record else None)
             new = out[:, obs.shape[1]:]  # [B, T]
             cut = [self.cut(c) for c in new.tolist()]
             logps += [lp[:len(c)] for lp, c in zip(seen.finish(new).tolist(), cut)] if record else []
@@ -177,10 +185,10 @@ class VLLMGenerator:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
-    def generate(self, prompts, n, greedy=False, record=False):
+    def generate(self, prompts, n, greedy=False, record=False, max_new=None):
         from vllm import SamplingParams
         params = SamplingParams(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0, top_k=0,
-                                max_tokens=self.cfg.max_new_tokens, stop_token_ids=self.stop_ids,
+                                max_tokens=max_new or self.cfg.max_new_tokens, stop_token_ids=self.stop_ids,
                                 logprobs=0 if record else None, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.lora, use_tqdm=False)
         done = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
@@ -287,22 +295,52 @@ class HFPolicy(nn.Module):
         with self.lm.disable_adapter():
             return self.token_logp(self.forward_logits(self.lm, batch)[0], batch.actions)[0]
 
-    def generate(self, prompts, n, greedy=False, record=None):
-        """n completions per prompt (strings) -> Batch (rewards left at 0) and the completion texts.
-        A rollout worker records the sampler's logprobs (sampler_logp) for the trainer to compare."""
-        ids = [self.prompt_ids(p) for p in prompts]
+    def sample(self, seqs, n, greedy=False, record=None, max_new=None):
+        """Token id lists -> (n continuations of each, cut after a stop token; the sampler's logprob of
+        every sampled token or None). A rollout worker records them (sampler_logp) for the trainer."""
         record = self.cfg.role == "rollout" and not greedy if record is None else record
-        completions, logps = self.generator.generate(ids, n, greedy, record)
-        rows = [p for p in ids for _ in range(n)]
-        obs, attn, mask = pack(rows, completions, self.pad_id)
+        return self.generator.generate(seqs, n, greedy, record, max_new)
+
+    def ended(self, ids):  # a reply that stopped by itself, rather than at a token limit
+        return bool(ids) and ids[-1] in self.stop_ids
+
+    def env_ids(self, message):
+        """The ids that follow a sampled reply (ending with its stop token) to add `message` as the next user
+        turn and prompt the next reply: the chat template's difference between a fixed two-turn chat and the
+        same chat with the message added. Nothing sampled is ever re-rendered or re-tokenized, so the trainer
+        scores exactly what the sampler produced; a template that would change earlier ids is refused."""
+        def render(chat, prompt_next):
+            text = self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt_next)
+            return self.tok(text, add_special_tokens=False)["input_ids"]
+        chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        before = render(chat, False) if self.tok.chat_template else []
+        after = render(chat + [{"role": "user", "content": message}], True) if self.tok.chat_template else []
+        ends = [i for i, t in enumerate(before) if t in self.stop_ids]  # where the assistant turn closed
+        if not ends or after[:len(before)] != before:
+            raise SystemExit(f"config error: multi-turn needs a chat template that ends assistant turns with a stop "
+                             f"token and extends a chat without changing earlier tokens; {self.cfg.model}'s does not "
+                             "(--max-turns 1 works with it)")
+        return before[ends[-1] + 1:] + after[len(before):]
+
+    def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1):
+        """Episodes as token ids -> Batch (rewards 0, for the task to fill): each prompt, then everything
+        sampled or added after it (`tails`), trained where `masks` is 1; rows of n share a group."""
+        obs, attn, mask = pack(prompts, tails, self.pad_id, masks)
         P = obs.shape[1] - mask.shape[1]
-        truncated = torch.tensor([len(c) == self.cfg.max_new_tokens and c[-1] not in self.stop_ids for c in completions])
+        truncated = [not self.ended(c) for c in tails] if truncated is None else truncated
         batch = Batch(obs=obs, actions=obs[:, P:].clone(), mask=mask, rewards=torch.zeros_like(mask),
-                      group=torch.arange(len(rows)) // n, truncated=truncated, attn=attn)
+                      group=torch.arange(len(prompts)) // n, truncated=torch.tensor(truncated), attn=attn)
         if logps is not None:  # a rollout worker reports what its sampler saw  [N, T]
             batch.sampler_logp = torch.zeros_like(mask)
             for i, lp in enumerate(logps):
                 batch.sampler_logp[i, :len(lp)] = torch.tensor(lp)
+        return batch
+
+    def generate(self, prompts, n, greedy=False, record=None):
+        """One turn: n completions per prompt (strings) -> (Batch, completion texts)."""
+        ids = [self.prompt_ids(p) for p in prompts]
+        completions, logps = self.sample(ids, n, greedy, record)
+        batch = self.to_batch([p for p in ids for _ in range(n)], completions, logps=logps, n=n)
         return batch, self.tok.batch_decode(completions, skip_special_tokens=True)
 
     def publish(self):

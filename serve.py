@@ -26,7 +26,8 @@ from utils import Batch, Logger
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
 FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
-               "digits", "ops", "data", "hidden", "lora_r", "lora_alpha", "lora_targets")
+               "max_turns", "turn_discount", "max_episode_tokens", "digits", "ops", "data", "hidden", "lora_r", "lora_alpha",
+               "lora_targets")
 
 
 class SyncSource:
@@ -78,7 +79,7 @@ def unpack_batch(body, cfg, expect):
     N, T = b.mask.shape
     if N == 0 or any(v.shape[0] != N for v in tensors.values()) or b.actions.shape != (N, T):
         raise ValueError("tensors disagree on the number of samples N or steps T")
-    for k in ("obs", "rewards", "sampler_logp") if b.obs.is_floating_point() else ("rewards", "sampler_logp", "attn"):
+    for k in ("obs", "final_obs", "rewards", "sampler_logp") if b.obs.is_floating_point() else ("rewards", "sampler_logp", "attn"):
         if not torch.isfinite(tensors[k]).all():
             raise ValueError(f"{k} holds NaN or Inf")
     if ((b.mask != 0) & (b.mask != 1)).any():
@@ -91,8 +92,8 @@ def unpack_batch(body, cfg, expect):
         raise ValueError(f"actions and token ids must lie in [0, {expect.limit})")
     if llm and (b.attn.shape != b.obs.shape or not torch.equal(b.obs[:, -T:], b.actions)):
         raise ValueError("obs must end with the completion tokens (actions) and attn must match obs")
-    if not llm and b.obs.shape[2] != expect.obs_dim:
-        raise ValueError(f"observations must have {expect.obs_dim} features; got {b.obs.shape[2]}")
+    if not llm and {b.obs.shape[2], b.final_obs.shape[1]} != {expect.obs_dim}:
+        raise ValueError(f"observations must have {expect.obs_dim} features; got {b.obs.shape[2]}, {b.final_obs.shape[1]}")
     try:
         b.version, worker, b.stats = int(meta["version"]), str(meta["worker"]), json.loads(meta.get("stats", "{}"))
         b.stats = {str(k): float(v) for k, v in b.stats.items()}
@@ -111,7 +112,8 @@ class Expect(dict):
         llm = task.llm
         super().__init__(obs=(torch.long if llm else torch.float32, 2 if llm else 3), actions=(torch.long, 2),
                          mask=(torch.float32, 2), rewards=(torch.float32, 2), group=(torch.long, 1),
-                         truncated=(torch.bool, 1), sampler_logp=(torch.float32, 2), **({"attn": (torch.float32, 2)} if llm else {}))
+                         truncated=(torch.bool, 1), sampler_logp=(torch.float32, 2),
+                         **({"attn": (torch.float32, 2)} if llm else {"final_obs": (torch.float32, 2)}))
         self.limit = policy.lm.get_input_embeddings().num_embeddings if llm else task.n_actions
         self.probe_len = policy.probe().actions.shape[1] if llm else 0
         self.obs_dim = None if llm else task.obs_dim

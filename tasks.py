@@ -2,12 +2,14 @@
     rollout(policy, step) -> Batch      samples for training step `step` (deterministic in seed, step)
     evaluate(policy) -> {"eval_...": x} greedy, on a fixed held-out set
     solved(metrics) -> bool             the task's threshold reached (ends the run early)
-Control tasks wrap gymnasium; LLM tasks are prompts + reward functions. TASKS maps --task to a class.
+Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played as episodes of one or
+more turns (play). TASKS maps --task to a class.
 """
 import json
 import os
 import random
 import re
+import sys
 import time
 from fractions import Fraction
 
@@ -78,6 +80,7 @@ class GymTask:
         return Batch(obs=torch.from_numpy(obs[:, :L]), actions=torch.from_numpy(actions[:, :L]),
                      mask=mask.float(), rewards=torch.from_numpy(rewards[:, :L]),
                      group=torch.arange(n) // self.cfg.group_size, truncated=torch.from_numpy(truncated),
+                     final_obs=torch.from_numpy(cur),
                      sampler_logp=torch.from_numpy(logps[:, :L]) * mask if self.cfg.role == "rollout" else None)
 
 
@@ -161,15 +164,21 @@ def eval_expression(expr, numbers):
 
 # --- LLM tasks -------------------------------------------------------------------------------------
 
+def replies(chat):
+    """The assistant's replies in an episode's chat, in order."""
+    return [m["content"] for m in chat if m["role"] == "assistant"]
+
+
 class LLMTask:
     """Prompts and weighted rewards. A new task is a subclass with problem(rng) -> (question, answer)
-    and, if it needs them, its own rewards / correct / build_prompt; then one line in TASKS.
+    and, if it needs them, its own rewards / correct / build_prompt; then one line in TASKS. Multi-turn
+    (--max-turns > 1): env_response answers each reply, or ends the episode by returning None.
     Held-out: the first n_eval distinct problems of a fixed stream; training never draws those."""
     llm = True
     rewards = [(1.0, numeric_match)]  # (weight, fn(prompt, completion, answer) -> float), summed
 
     def __init__(self, cfg):
-        self.cfg, self.max_len = cfg, cfg.max_new_tokens
+        self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
         self.eval_set = self.held_out()
         self.held_keys = {q for q, _ in self.eval_set}
 
@@ -204,34 +213,90 @@ class LLMTask:
                 problems.append((q, a))
         return problems
 
+    def env_response(self, question, answer, turns):
+        """The environment's message after the assistant's replies so far (strings), or None to end."""
+        return None
+
+    def episode_reward(self, question, answer, turns):
+        """The last reply's reward, times turn_discount for every reply it took beyond the first."""
+        return self.reward(self.build_prompt(question), turns[-1], answer) * self.cfg.turn_discount ** (len(turns) - 1)
+
+    def play(self, policy, problems, n, greedy=False):
+        """n episodes per (question, answer). The model replies; env_response answers (its message added as
+        the chat template's ids, model.env_ids) or ends the episode; at most max_turns replies, and at most
+        max_episode_tokens tokens after the prompt (reaching it ends the episode, flagged truncated). Each
+        turn samples every unfinished episode in ONE generate call. An episode is one token sequence: the
+        prompt, each reply's ids as sampled (mask 1), each message's ids (mask 0), never re-tokenized.
+        -> (Batch, each episode's chat after the prompt as [{"role": ..., "content": ...}, ...])"""
+        cfg, cap = self.cfg, self.cfg.max_episode_tokens or sys.maxsize
+        prompts = [policy.prompt_ids(self.build_prompt(q)) for q, _ in problems]
+        of = [i for i in range(len(problems)) for _ in range(n)]  # episode -> its problem
+        tails, masks, logps, chats = ([[] for _ in of] for _ in range(4))
+        cut, live = [False] * len(of), list(range(len(of)))
+
+        def add(e, ids, trained, lp):
+            tails[e], masks[e], logps[e] = tails[e] + ids, masks[e] + [trained] * len(ids), logps[e] + lp[:len(ids)]
+
+        for turn in range(cfg.max_turns):
+            seqs = prompts if turn == 0 else [prompts[of[e]] + tails[e] for e in live]
+            budget = min(cfg.max_new_tokens, max(cap - len(tails[e]) for e in live))
+            sampled, lps = policy.sample(seqs, n if turn == 0 else 1, greedy, max_new=budget)
+            for e, ids, lp in zip(live, sampled, lps or [[]] * len(live)):
+                ids = ids[:cap - len(tails[e])]
+                cut[e] = not policy.ended(ids)  # cut at max_new_tokens or at the episode cap
+                add(e, ids, 1, lp)
+                chats[e].append({"role": "assistant", "content": policy.tok.decode(ids, skip_special_tokens=True)})
+            still = []
+            for e in live:
+                q, a = problems[of[e]]
+                said = None if cut[e] or turn + 1 == cfg.max_turns else self.env_response(q, a, replies(chats[e]))
+                if said is not None:
+                    env = policy.env_ids(said)
+                    cut[e] = len(tails[e]) + len(env) >= cap  # no room for the message and a reply: it ends here
+                    if not cut[e]:
+                        add(e, env, 0, [0.0] * len(env))
+                        chats[e].append({"role": "user", "content": said})
+                        still.append(e)
+            if not (live := still):
+                break
+        batch = policy.to_batch([prompts[i] for i in of], tails, masks, logps if lps is not None else None, cut, n)
+        return batch, chats
+
     def rollout(self, policy, step):
-        problems = self.train_problems(step)[rank()::world()]  # data parallel: each rank takes its share
-        prompts, G = [self.build_prompt(q) for q, _ in problems], self.cfg.group_size
+        problems, G = self.train_problems(step)[rank()::world()], self.cfg.group_size  # data parallel: a share each
         t = time.time()
-        batch, texts = policy.generate(prompts, G)
-        gen_s, lengths = time.time() - t, batch.mask.sum(1)
-        args = [(prompts[i // G], c, problems[i // G][1]) for i, c in enumerate(texts)]
-        R = torch.tensor([self.reward(*x) + overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
-                          for x, n in zip(args, lengths.tolist())])
-        batch.rewards[torch.arange(len(R)), (lengths - 1).long()] = R  # the scalar reward on the last token
-        batch.stats = {"accuracy": sum(self.correct(*x) for x in args) / len(args),
-                       "gen_tok_s": lengths.sum().item() / gen_s}
+        batch, chats = self.play(policy, problems, G)
+        gen_s, lengths = time.time() - t, batch.mask.sum(1)  # [N] sampled tokens per episode
+        turns = list(map(replies, chats))
+        R = torch.tensor([self.episode_reward(*problems[i // G], r) + overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
+                          for i, (r, n) in enumerate(zip(turns, lengths.tolist()))])
+        last = batch.mask.shape[1] - 1 - batch.mask.flip(1).argmax(1)  # [N] each episode's last sampled token
+        batch.rewards[torch.arange(len(R)), last] = R  # the scalar reward on the last sampled token
+        batch.stats = {"accuracy": sum(self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
+                                       for i, r in enumerate(turns)) / len(turns), "gen_tok_s": lengths.sum().item() / gen_s}
+        if self.cfg.max_turns > 1:
+            batch.stats["turns"] = sum(map(len, turns)) / len(turns)  # assistant replies per episode
         return batch
 
     def evaluate(self, policy, step):
-        """Greedy accuracy on the held-out prompts (eval_acc), pass@k with k samples at temperature
-        (eval_k > 0), and a few greedy completions appended to samples.jsonl."""
+        """Greedy accuracy on the held-out prompts: eval_acc counts an episode's last reply (solved within
+        max_turns), eval_acc_turn1 its first (multi-turn only); pass@k with k sampled episodes (eval_k > 0).
+        A few greedy episodes are appended to samples.jsonl."""
         mine = self.eval_set[rank()::world()]
         prompts = [self.build_prompt(q) for q, _ in mine]
-        _, texts = policy.generate(prompts, 1, greedy=True)
-        out = {"eval_acc": self.solved_fraction(mine, prompts, texts, 1)}
+        chats = self.play(policy, mine, 1, greedy=True)[1]
+        said = list(map(replies, chats))
+        out = {"eval_acc": self.solved_fraction(mine, prompts, [r[-1] for r in said], 1)}
+        if self.cfg.max_turns > 1:
+            out["eval_acc_turn1"] = self.solved_fraction(mine, prompts, [r[0] for r in said], 1)
         if self.cfg.eval_k:
-            _, sampled = policy.generate(prompts, self.cfg.eval_k)
-            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, sampled, self.cfg.eval_k)
+            last = [replies(c)[-1] for c in self.play(policy, mine, self.cfg.eval_k)[1]]
+            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, last, self.cfg.eval_k)
         if rank() == 0 and self.cfg.out:
             with open(os.path.join(self.cfg.out, "samples.jsonl"), "a") as f:
-                for (q, a), c in list(zip(mine, texts))[:4]:
-                    f.write(json.dumps({"step": step, "prompt": q, "answer": str(a), "completion": c}) + "\n")
+                for (q, a), r, c in list(zip(mine, said, chats))[:4]:
+                    more = {"turns": c} if self.cfg.max_turns > 1 else {}
+                    f.write(json.dumps({"step": step, "prompt": q, "answer": str(a), "completion": r[-1], **more}) + "\n")
         return out
 
     def solved_fraction(self, problems, prompts, texts, k):
@@ -252,6 +317,9 @@ class Arith(LLMTask):
                 for _ in range(2))
         op = rng.choice(self.cfg.ops)
         return f"What is {a} {op} {b}? Reply with just the number.", {"+": a + b, "-": a - b, "*": a * b}[op]
+
+    def env_response(self, question, answer, turns):  # multi-turn: a wrong reply is told so and asked again
+        return None if numeric_match(question, turns[-1], answer) else "That is not right. Try again: reply with just the number."
 
 
 def countdown_correct(prompt, completion, answer):

@@ -55,6 +55,8 @@ def score_old(policy, batch, cfg):
         outs = [policy.score(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]
         if cfg.kl_coef:
             batch.ref_logp = torch.cat([policy.ref_logp(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]).cpu()
+        if outs[0]["value"] is not None and batch.final_obs is not None:  # time-limit cuts bootstrap (gae)
+            batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
     batch.old_logp = torch.cat([o["logp"] for o in outs]).cpu()  # [N, T]
     if outs[0]["value"] is not None:
         batch.values = torch.cat([o["value"] for o in outs]).cpu() * batch.mask  # [N, T]

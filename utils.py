@@ -20,7 +20,8 @@ class Batch:
 
     obs       [N, T, D] float observations (control)  |  [N, P + T] token ids, prompts left-padded (LLM)
     actions   [N, T] long   the action taken / token sampled at each step
-    mask      [N, T] float  1 on real steps, 0 on padding (after the episode or completion ended)
+    mask      [N, T] float  1 on the steps trained on (actions, sampled tokens); 0 on padding and on
+                            environment tokens between the turns of a multi-turn episode
     rewards   [N, T] float  per-step reward; LLM tasks put the scalar reward on the last real token
     group     [N]    long   samples with one id share a prompt (or an env reset seed)
     truncated [N]    bool   cut by the step / token limit instead of ending by itself
@@ -42,6 +43,8 @@ class Batch:
     adv: torch.Tensor = None
     returns: torch.Tensor = None
     weight: torch.Tensor = None
+    final_obs: torch.Tensor = None  # [N, D] control: the observation after the last step (bootstraps truncated rows)
+    last_value: torch.Tensor = None  # [N] V(final_obs) where a time limit cut the episode, else 0 (ppo)
     version: int = 0  # weights version that sampled this batch (async)
     stats: dict = dataclasses.field(default_factory=dict)  # the task's per-step metrics (accuracy, ...)
     probe: list = None  # async LLM: the worker sampler's logprobs of the fixed sync probe (model.HFPolicy.probe)
@@ -81,21 +84,27 @@ def whiten(x, mask, eps=1e-8):
 
 
 def discounted_cumsum(x, mask, factor):
-    """y_t = sum_{s>=t} factor^(s-t) x_s over real steps, as one [T, T] matmul (no Python loop).
-    x [N, T], mask [N, T] (a prefix of ones per row)."""
-    T = x.shape[1]
-    t = torch.arange(T, device=x.device)
-    gap = (t[None, :] - t[:, None]).to(x.dtype)  # [T, T] s - t
-    powers = torch.where(gap >= 0, torch.pow(torch.as_tensor(factor, dtype=x.dtype), gap.clamp(min=0)), 0.0)
-    return (x * mask) @ powers.T * mask  # [N, T]
+    """y_t = x_t + factor * y_t' over the real steps of a row, t' the next real step after t: steps with
+    mask 0 (padding, or environment tokens in the middle of a multi-turn row) are skipped, not counted,
+    and get y = 0. x, mask [N, T]. factor .5, x [0, 0, env, env, 1, pad] -> [.25, .5, 0, 0, 1, 0]."""
+    y, acc = torch.zeros_like(x), x.new_zeros(x.shape[0])  # [N, T], [N]
+    for t in reversed(range(x.shape[1])):  # T steps of [N] work: small next to any forward pass
+        acc = torch.where(mask[:, t] > 0, x[:, t] + factor * acc, acc)
+        y[:, t] = acc * mask[:, t]
+    return y
 
 
-def gae(rewards, values, mask, gamma, lam):
-    """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l};
-    V after the last real step is 0 (episodes end, truncation is not bootstrapped). Returns (A, R = A + V)."""
-    next_v = torch.cat([values[:, 1:] * mask[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # [N, T]
-    delta = rewards + gamma * next_v - values
-    A = discounted_cumsum(delta, mask, gamma * lam)
+def gae(rewards, values, mask, gamma, lam, last_value=None):
+    """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_t' - V_t, t' the next real step (environment tokens
+    are skipped), A_t = delta_t + gamma lam A_t'. After the last real step V = last_value [N]: the
+    critic's value of the state where a time limit cut the episode (bootstrapping, Pardo et al. 2018,
+    arXiv 1712.00378), 0 where the episode ended by itself (None = all ended). Returns (A, R = A + V)."""
+    next_v = torch.zeros_like(values)  # [N, T] V at the next real step
+    v = values.new_zeros(values.shape[0]) if last_value is None else last_value  # [N]
+    for t in reversed(range(values.shape[1])):
+        next_v[:, t] = v
+        v = torch.where(mask[:, t] > 0, values[:, t], v)
+    A = discounted_cumsum(rewards + gamma * next_v - values, mask, gamma * lam)
     return A, (A + values) * mask
 
 

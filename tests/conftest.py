@@ -32,8 +32,8 @@ def make_tiny_llm(path, seed=0):
     tk.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                   unk_token="<unk>")
-    tok.chat_template = ("{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}A:{% endif %}")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
+                         "{% else %}A:{{ m['content'] }}<eos>\n{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

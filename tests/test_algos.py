@@ -71,6 +71,28 @@ def test_discounted_cumsum_ignores_padding():
     assert torch.allclose(y, torch.tensor([[2.0, 2.0, 0.0]]))  # y0 = 1 + .5*2
 
 
+def test_environment_tokens_are_skipped_not_discounted():
+    # gamma .5, rewards [0, 0, env, env, 1, pad]: the env tokens are not steps, so G1 = 0 + .5*1, G0 = .5*.5
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 0]])
+    y = discounted_cumsum(torch.tensor([[0.0, 0, 7, 7, 1, 9]]), mask, 0.5)  # 7s and 9 sit off the mask
+    assert torch.equal(y, torch.tensor([[0.25, 0.5, 0, 0, 1, 0]]))
+    # GAE, gamma 1, lam .5, V = (.5, .5, junk, junk, .5): V_t' of step 1 is step 4's V, not the env token's
+    # delta = (0+.5-.5, 0+.5-.5, 1+0-.5) on steps 0, 1, 4 = (0, 0, .5); A4 = .5, A1 = .25, A0 = .125
+    v = torch.tensor([[0.5, 0.5, 3.0, 3.0, 0.5, 3.0]])
+    A, R = gae(torch.tensor([[0.0, 0, 0, 0, 1, 0]]), v, mask, gamma=1.0, lam=0.5)
+    assert torch.equal(A, torch.tensor([[0.125, 0.25, 0, 0, 0.5, 0]]))
+    assert torch.equal(R, torch.tensor([[0.625, 0.75, 0, 0, 1.0, 0]]))
+
+
+def test_gae_bootstraps_where_a_time_limit_cut_the_episode():
+    # rewards (1, 1), V = (.5, .5), gamma .5, lam 1; the cut state is worth V(s_T) = 2 for row 0, row 1 ended
+    # row 0: delta = (1 + .5*.5 - .5, 1 + .5*2 - .5) = (.75, 1.5); A1 = 1.5, A0 = .75 + .5*1.5 = 1.5
+    # row 1: delta = (.75, 1 + 0 - .5 = .5); A1 = .5, A0 = .75 + .5*.5 = 1.0
+    r, v, m = torch.ones(2, 2), torch.full((2, 2), 0.5), torch.ones(2, 2)
+    A, R = gae(r, v, m, gamma=0.5, lam=1.0, last_value=torch.tensor([2.0, 0.0]))
+    assert torch.equal(A, torch.tensor([[1.5, 1.5], [1.0, 0.5]])) and torch.equal(R, A + v)
+
+
 def test_grpo_drgrpo_rloo():
     # two groups: rewards (1, 0, 0, 1) and (3, 3, 3, 3); reward on the last token of each sample
     b = batch([[0.0, 1], [0, 0], [0, 0], [1, 0], [3, 0], [0, 3], [3, 0], [3, 0]],

@@ -328,3 +328,17 @@ def test_llm_trainer_and_worker(tiny_llm, tmp_path, lora_r):
     for r in trained:  # bf16 sampler vs the fp32 / autocast trainer: close, not equal
         assert 0 <= float(r["logp_gap"]) < 0.5 and 0 < float(r["tis_weight"]) <= 2.0
         assert r["accuracy"] != "" and float(r["gen_tok_s"]) > 0  # the worker's stats travel with the batch
+
+
+def test_llm_worker_runs_multi_turn_episodes(tiny_llm, tmp_path):
+    port = free_port()
+    common = ["--task", "arith", "--model", tiny_llm, "--algo", "rloo", "--batch-size", "8", "--group-size", "2",
+              "--max-new-tokens", "24", "--max-turns", "3", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01",
+              "--eval-every", "0", "--gen-dtype", "float32", "--connect-timeout", "60"]
+    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
+    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
+    finish(trainer)
+    assert "training finished" in finish(worker)
+    trained = rows(tmp_path / "t")
+    assert len(trained) == 3 and max(float(r["turns"]) for r in trained) > 1  # arith answers wrong replies
+    assert all(float(r["logp_gap"]) < 1e-4 for r in trained)  # fp32 sampler: what it saw is what the trainer scores

@@ -72,6 +72,21 @@ def test_micro_batching_never_changes_the_gradient(algo, agg):
     assert torch.allclose(results[0], results[1], atol=1e-6)
 
 
+def test_ppo_bootstraps_episodes_cut_by_the_time_limit():
+    cfg = Config(env="Acrobot-v1", algo="ppo", batch_size=3)  # a random policy rarely swings up in 500 steps
+    _, policy, b = rollout(cfg)
+    assert b.truncated.any() and b.final_obs.shape == (3, 6)
+    train.score_old(policy, b, cfg)
+    with torch.no_grad():
+        expect = policy.value(b.final_obs) * b.truncated  # V(s_T) where cut, 0 where the episode ended
+    assert torch.equal(b.last_value, expect) and (b.last_value != 0).any()
+    _, R = ADVANTAGES["ppo"](b, cfg)
+    last = b.mask.sum(1).long() - 1  # the cut step's return holds gamma * V(s_T): R = r + gamma V(s_T) at lam 1
+    b.last_value = None
+    _, R_none = ADVANTAGES["ppo"](b, cfg)
+    assert torch.allclose((R - R_none)[torch.arange(3), last], cfg.gamma * expect, atol=1e-5)
+
+
 def test_nonfinite_loss_skips_the_update():
     cfg = Config()
     _, policy, b = rollout(cfg)

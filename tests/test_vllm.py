@@ -13,6 +13,7 @@ import train
 from config import Config
 from model import HFGenerator, HFPolicy, check_parity
 from conftest import SMOL, needs_smol
+from tasks import Arith
 from test_llm import llm_cfg
 from test_serve import finish, free_port, rows, spawn
 
@@ -118,6 +119,21 @@ class TestVLLM:
         assert (at_07 - batch.sampler_logp[m]).abs().mean() < 1e-3  # vLLM returned logprobs of logits / 0.7
         assert (at_1 - batch.sampler_logp[m]).abs().mean() > 1e-2   # not the raw logits'
         assert not torch.isclose(at_07, at_1).all()
+
+    def test_multi_turn_assistant_logprobs_match_the_trainer_in_fp32(self, vpolicy, monkeypatch):
+        class Doubting(Arith):  # asks again whatever the reply: every episode that ends a reply gets a next turn
+            def env_response(self, question, answer, turns):
+                return "Are you sure? Reply with just the number."
+        monkeypatch.setattr(vpolicy.cfg, "role", "rollout")  # record the sampler's logprobs, as a worker does
+        task = Doubting(dataclasses.replace(vpolicy.cfg, max_turns=3, max_new_tokens=32))
+        torch.manual_seed(0)
+        batch, chats = task.play(vpolicy, task.train_problems(0), 2)
+        env = (batch.mask == 0) & (batch.attn[:, -batch.mask.shape[1]:] > 0)
+        assert env.any() and max(len(c) for c in chats) >= 3  # reply, message, reply, ...
+        m = batch.mask > 0
+        with torch.no_grad():
+            delta = vpolicy.score(batch)["logp"][m] - batch.sampler_logp[m]
+        assert delta.abs().mean() < 1e-3 and (batch.sampler_logp[env] == 0).all()
 
     def test_adapter_swap_changes_samples_and_cleans_up(self, vpolicy):
         gen = vpolicy.generator
