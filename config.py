@@ -56,13 +56,14 @@ class Config:
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
     gen_batch: int = 64  # sequences per generate call
     gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
-    generator: str = "hf"  # sampler: hf (transformers generate) or vllm (LoRA hot-swapped after each publish)
+    generator: str = "hf"  # sampler: hf (transformers generate) or vllm
+    vllm_lora: str = "merge"  # vllm: merge = each published adapter merged into the engine's weights (fast); adapter = vLLM's LoRA kernels
     vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache
     vllm_kv_gib: int = 2  # vllm on a CPU: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE unless already set)
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
     check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit (1 = over parity_tol)
     ask: str = ""  # with --resume RUN: print the trained policy's greedy reply to this prompt, then exit
-    parity_tol: float = 1e-3  # largest mean |delta logp| --check-parity accepts (use fp32: --no-bf16 --gen-dtype float32)
+    parity_tol: float = 0.0  # largest mean |delta logp| --check-parity accepts (0 = from the dtypes: 1e-3 all fp32, 0.1 with bf16)
     probe_tol: float = 0.25  # trainer warns when a worker's sync probe logprobs differ from its own by more (bf16 noise: ~0.1)
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
     eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
@@ -96,6 +97,7 @@ class Config:
     vf_coef: float = 0.5  # value loss coefficient (ppo)
     vclip: float = 0.2  # value clip around the OLD values (0 = off)
     tis_clip: float = 0.0  # truncated importance weight min(exp(old_logp - sampler_logp), C) (0 = off)
+    old_logp: str = "trainer"  # trainer: recomputed under the weights that sampled; sampler: teaching ablation only (README)
 
     def validate(self):
         def need(ok, msg):
@@ -123,11 +125,19 @@ class Config:
         need(self.role != "rollout" or self.trainer_url, "a rollout worker needs --trainer-url http://HOST:PORT")
         need(self.max_staleness >= 0 and self.max_queue >= 1, "max_staleness must be >= 0 and max_queue >= 1")
         need(self.generator in ("hf", "vllm"), f"generator {self.generator!r}: use hf or vllm")
-        need(self.generator == "hf" or self.lora_r > 0,
-             "--generator vllm hot-swaps LoRA adapters; full fine-tuning (lora_r 0) needs --generator hf")
+        need(self.vllm_lora in ("merge", "adapter"), f"vllm_lora {self.vllm_lora!r}: use merge or adapter")
+        need(self.generator == "hf" or self.vllm_lora == "merge" or self.lora_r > 0,
+             "--vllm-lora adapter serves LoRA adapters; full fine-tuning (lora_r 0) needs --vllm-lora merge")
+        need(self.tis_clip == 0 or self.tis_clip >= 1,
+             f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
+        need(self.old_logp in ("trainer", "sampler"), f"old_logp {self.old_logp!r}: use trainer (or sampler, the ablation)")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
         return self
+
+    @property
+    def record_sampler(self):  # the sampler's own logprobs travel with each batch: a worker's, or the ablation
+        return self.role == "rollout" or self.old_logp == "sampler"
 
 
 def _field_help():

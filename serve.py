@@ -362,7 +362,7 @@ def run_worker(cfg, task, policy):
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
     if task.llm:  # once at start-up: does this generator sample what the trainer scores?
         check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:4]], cfg, log.say)
-    version, n, wait, probe = -1, 0, 30, None
+    version, n, wait, probe, publish_s = -1, 0, 30, None, 0.0
     while True:
         status, headers, body = client.call(f"/weights?have={version}&wait={wait}")
         if status == 410:
@@ -370,9 +370,10 @@ def run_worker(cfg, task, policy):
         if status == 200:
             if hashlib.sha256(body).hexdigest() != headers["X-Flatrl-Sha256"]:
                 continue  # corrupted in transit: fetch again
+            t = time.time()
             policy.load_state_dict(st_load(body), strict=False)
-            policy.publish()
-            version = int(headers["X-Flatrl-Version"])
+            policy.publish()  # into the sampler: an HF copy, or the vLLM engine (merge + reload + cache reset)
+            version, publish_s = int(headers["X-Flatrl-Version"]), time.time() - t
             if version >= remote["steps"]:  # the final weights: the trainer is evaluating and closing
                 return finished()
             probe = policy.generator.score(policy.probe())[0].tolist() if task.llm else None
@@ -388,6 +389,7 @@ def run_worker(cfg, task, policy):
             return finished()
         n += status == 200
         wait = 30 if status == 503 else 0  # a full queue: wait for the next version instead of running ahead
-        log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item()}, version)
+        log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item(),
+                 "publish_s": publish_s}, version)
         if status not in (200, 503):
             log.say(f"worker {worker}: batch refused ({status}): {body[:300].decode(errors='replace')}")

@@ -81,7 +81,7 @@ class GymTask:
                      mask=mask.float(), rewards=torch.from_numpy(rewards[:, :L]),
                      group=torch.arange(n) // self.cfg.group_size, truncated=torch.from_numpy(truncated),
                      final_obs=torch.from_numpy(cur),
-                     sampler_logp=torch.from_numpy(logps[:, :L]) * mask if self.cfg.role == "rollout" else None)
+                     sampler_logp=torch.from_numpy(logps[:, :L]) * mask if self.cfg.record_sampler else None)
 
 
 # --- LLM tasks: reward helpers -------------------------------------------------------------------

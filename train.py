@@ -48,8 +48,11 @@ def score_old(policy, batch, cfg):
     one update per batch and none of those it is skipped: the update's own forward pass provides
     old_logp (the ratio is then exactly 1, and one forward pass is saved). A batch sampled elsewhere
     (it carries sampler_logp) always gets old_logp recomputed here: the sampler's numbers are not the
-    trainer's, even under the same weights."""
-    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and batch.sampler_logp is None:
+    trainer's, even under the same weights. --old-logp sampler takes the sampler's numbers instead: a
+    teaching ablation of exactly that mistake (README: "Why the trainer recomputes old logprobs")."""
+    ablation = cfg.old_logp == "sampler"
+    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and (batch.sampler_logp is None or ablation):
+        batch.old_logp = batch.sampler_logp if ablation else None
         return
     with torch.no_grad():
         outs = [policy.score(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]
@@ -57,7 +60,7 @@ def score_old(policy, batch, cfg):
             batch.ref_logp = torch.cat([policy.ref_logp(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]).cpu()
         if outs[0]["value"] is not None and batch.final_obs is not None:  # time-limit cuts bootstrap (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
-    batch.old_logp = torch.cat([o["logp"] for o in outs]).cpu()  # [N, T]
+    batch.old_logp = batch.sampler_logp if ablation else torch.cat([o["logp"] for o in outs]).cpu()  # [N, T]
     if outs[0]["value"] is not None:
         batch.values = torch.cat([o["value"] for o in outs]).cpu() * batch.mask  # [N, T]
     if cfg.kl_in_reward:  # per-token reward r_t - kl_coef * (logp - ref_logp); no KL term in the loss

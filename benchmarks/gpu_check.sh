@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # For a machine with an NVIDIA GPU and the real vllm (pip install -e ".[vllm]"): the vLLM / trainer
-# parity check in fp32, then a short async GRPO run with one vLLM worker beside the trainer on the same
-# GPU. Prints the parity line and the trainer's last metrics. The build machines have no GPU: the
+# parity check in fp32 with the adapter merged into vLLM's weights (--vllm-lora merge, the default) and
+# with vLLM's LoRA kernels (--vllm-lora adapter), then a short async GRPO run with one vLLM worker
+# (merged) beside the trainer on the same GPU. Prints the parity lines, the trainer's last metrics and
+# the worker's publish time (merge + in-place reload + cache reset). The build machines have no GPU: the
 # figures in README.md are from CPU runs unless stated otherwise.
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct STEPS=20 bash benchmarks/gpu_check.sh
 set -euo pipefail
@@ -10,7 +12,9 @@ MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
 STEPS=${STEPS:-20}
 OUT=${OUT:-runs/gpu-check}
 COMMON=(--config configs/arith_grpo_cpu.yaml --model "$MODEL" --device cuda --vllm-mem 0.3)
-python train.py "${COMMON[@]}" --generator vllm --gen-dtype float32 --no-bf16 --check-parity
+for mode in merge adapter; do
+  python train.py "${COMMON[@]}" --generator vllm --vllm-lora $mode --gen-dtype float32 --no-bf16 --check-parity
+done
 python train.py "${COMMON[@]}" --role trainer --port 8011 --steps "$STEPS" --eval-every 10 --out "$OUT" &
 trainer=$!
 python train.py "${COMMON[@]}" --role rollout --generator vllm --trainer-url http://127.0.0.1:8011 --out "$OUT-worker"
@@ -21,4 +25,6 @@ rows = list(csv.DictReader(open(f"{sys.argv[1]}/metrics.csv")))
 steps = [float(b["time_s"]) - float(a["time_s"]) for a, b in zip(rows[1:-1], rows[2:-1])]
 print("eval_acc:", [(r["step"], r["eval_acc"]) for r in rows if r.get("eval_acc")])
 print("median s/step:", sorted(steps)[len(steps) // 2], " last logp_gap:", rows[-2].get("logp_gap"))
+worker = [float(r["publish_s"]) for r in csv.DictReader(open(f"{sys.argv[1]}-worker/metrics.csv"))]
+print("worker publish s (median):", sorted(worker)[len(worker) // 2])
 PY

@@ -3,12 +3,16 @@ SmolLM2-135M-Instruct + LoRA r=16 (alpha 32, q/k/v/o/gate/up/down), arith prompt
 Reply with just the number." (the same 8 prompts per step for both, in order), reward 1 when the
 first number of the reply is a + b, 4 completions per prompt, at most 32 new tokens, temperature 1,
 no KL, one optimizer step per batch, Adam lr 3e-4 constant, token-mean loss (TRL's "dapo" default).
-Both train under bf16 autocast (TRL's default; flatrl's where the CPU has AVX512-BF16). TRL keeps its
+Both train under bf16 autocast where the CPU has fast bf16 (AVX512-BF16 or AMX; TRL's default is bf16
+everywhere, which an AVX2 CPU only emulates, so TRL is given flatrl's rule), fp32 elsewhere. TRL keeps its
 other defaults except gradient checkpointing, turned off so that it does not pay for memory it does
-not need here (pass --trl-grad-ckpt for its default).
+not need here (pass --trl-grad-ckpt for its default). flatrl samples with HF generate, or with vLLM
+(--generator vllm, the adapter merged into its weights), or both (--generator hf vllm). Per-step times
+are printed as well as medians: as groups start to differ (fewer zero-variance rows skipped) flatrl's
+steps grow, so a median over the first steps flatters it.
 
     pip install trl && python -c "import model; model.cache_smollm2()"
-    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 10 --rounds 2
+    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm
 """
 import argparse
 import csv
@@ -32,6 +36,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from config import Config
 from tasks import Arith, numeric_match
+from utils import fast_bf16
 
 steps, seed, ckpt, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
 cfg = Config(task="arith", digits=1, ops="+", batch_size=32, group_size=4, n_eval=32, seed=seed)
@@ -53,7 +58,8 @@ class Clock(TrainerCallback):
 args = GRPOConfig(output_dir=out, per_device_train_batch_size=32, num_generations=4, max_completion_length=32,
                   temperature=1.0, beta=0.0, num_iterations=1, learning_rate=3e-4, lr_scheduler_type="constant",
                   warmup_steps=0, max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
-                  report_to=[], shuffle_dataset=False, seed=seed, use_cpu=True, gradient_checkpointing=ckpt)
+                  report_to=[], shuffle_dataset=False, seed=seed, use_cpu=True, gradient_checkpointing=ckpt,
+                  bf16=fast_bf16("cpu"))
 peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 trainer = GRPOTrainer(model={model!r}, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
@@ -65,10 +71,10 @@ print("RESULT " + json.dumps({{"step_s": step_s, "reward": rewards}}))
 """
 
 
-def run_flatrl(steps, seed):
+def run_flatrl(steps, seed, generator):
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--steps", str(steps),
-               "--eval-every", "0", "--seed", str(seed), "--out", d]
+               "--eval-every", "0", "--seed", str(seed), "--generator", generator, "--out", d]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
         with open(f"{d}/metrics.csv") as f:
             rows = [r for r in csv.DictReader(f) if r["reward"]]
@@ -91,30 +97,34 @@ def run_trl(steps, seed, ckpt):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generator", nargs="+", default=["hf"], choices=["hf", "vllm"])
     p.add_argument("--trl-grad-ckpt", action="store_true")
     a = p.parse_args()
-    res = {"flatrl": [], "trl": []}
-    for r in range(a.rounds):  # alternate: flatrl, TRL, flatrl, TRL, ...
-        res["flatrl"].append(run_flatrl(a.steps, a.seed))
-        print(f"round {r} flatrl: median {statistics.median(res['flatrl'][-1]['step_s']):.2f} s/step", flush=True)
-        res["trl"].append(run_trl(a.steps, a.seed, a.trl_grad_ckpt))
-        print(f"round {r} trl:    median {statistics.median(res['trl'][-1]['step_s']):.2f} s/step", flush=True)
+    if a.steps < 3 or a.rounds < 1:
+        p.error("--steps must be >= 3 and --rounds >= 1")
+    runs = {f"flatrl ({g})": lambda g=g: run_flatrl(a.steps, a.seed, g) for g in a.generator}
+    runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
+    res = {k: [] for k in runs}
+    for r in range(a.rounds):  # alternate: each contender once per round
+        for k, run in runs.items():
+            res[k].append(run())
+            print(f"round {r} {k}: s/step {[round(x, 1) for x in res[k][-1]['step_s']]}", flush=True)
     med = {k: statistics.median(s for run in v for s in run["step_s"]) for k, v in res.items()}
     last = {k: statistics.mean(x for run in v for x in run["reward"][-3:]) for k, v in res.items()}
     first = {k: statistics.mean(x for run in v for x in run["reward"][:3]) for k, v in res.items()}
-    print(f"\n| | s/step (median) | train reward, first 3 steps | train reward, last 3 of {a.steps} |")
-    print("|---|---|---|---|")
+    print(f"\n| | s/step (median) | vs TRL | train reward, first 3 steps | train reward, last 3 of {a.steps} |")
+    print("|---|---|---|---|---|")
     for k in res:
-        print(f"| {k} | {med[k]:.2f} | {first[k]:.3f} | {last[k]:.3f} |")
-    print(f"\nflatrl / TRL seconds per step: {med['flatrl'] / med['trl']:.2f}x")
-    f = res["flatrl"]
-    print(f"flatrl generation {statistics.median(x for run in f for x in run['gen_tok_s']):.0f} tok/s, "
-          f"training {statistics.median(x for run in f for x in run['train_tok_s']):.0f} tok/s (completion tokens)")
-    for k in res:
-        print(k, "reward per step:", [round(statistics.mean(step), 3) for step in zip(*(run["reward"] for run in res[k]))])
+        print(f"| {k} | {med[k]:.2f} | {med[k] / med['TRL GRPOTrainer']:.2f}x | {first[k]:.3f} | {last[k]:.3f} |")
+    for k in res:  # per step, the mean over rounds
+        print(f"{k} s/step by step:", [round(statistics.mean(s), 1) for s in zip(*(run["step_s"] for run in res[k]))])
+        print(f"{k} reward by step:", [round(statistics.mean(s), 3) for s in zip(*(run["reward"] for run in res[k]))])
+        if "gen_tok_s" in res[k][0]:
+            print(f"{k}: generation {statistics.median(x for run in res[k] for x in run['gen_tok_s']):.0f} tok/s, "
+                  f"training {statistics.median(x for run in res[k] for x in run['train_tok_s']):.0f} tok/s")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ def test_config_round_trips_through_the_run_dir(tmp_path):
     (["--dual-clip", "0.5"], "> 1"),
     (["--loss-agg", "mean"], "token_mean"),
     (["--kl-estimator", "k4"], "k1, k2 or k3"),
+    (["--tis-clip", "0.5"], "tis_clip 0.5 < 1 would down-weight every token"),
+    (["--generator", "vllm", "--vllm-lora", "adapter", "--lora-r", "0"], "needs --vllm-lora merge"),
+    (["--old-logp", "mine"], "use trainer (or sampler, the ablation)"),
     (["--batch-size", "6", "--group-size", "4", "--algo", "grpo"], "multiple of group_size"),
 ])
 def test_rejections_name_the_fix(argv, needle):

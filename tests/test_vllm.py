@@ -1,5 +1,6 @@
 """Sampler / trainer parity (HF on a tiny model, always) and the vLLM generator on SmolLM2-135M (slow;
 skipped, with the reason, when vllm or the cached model is missing)."""
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -8,11 +9,13 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+import model
 import train
 from config import Config
-from model import HFGenerator, HFPolicy, check_parity
 from conftest import SMOL, needs_smol
+from model import HFGenerator, HFPolicy, check_parity
 from tasks import Arith
 from test_llm import llm_cfg
 from test_serve import finish, free_port, rows, spawn
@@ -38,6 +41,55 @@ def test_parity_passes_in_fp32_and_catches_a_temperature_mismatch(tiny_llm, caps
     policy.generator = HFGenerator(policy.generator.lm, cfg, policy.stop_ids, policy.pad_id)
     policy.publish()
     assert not check_parity(policy, PROMPTS, policy.cfg, print)
+
+
+def test_parity_catches_a_stale_adapter(tiny_llm, monkeypatch):
+    policy = HFPolicy(llm_cfg(tiny_llm))
+    torch.manual_seed(0)
+    assert check_parity(policy, PROMPTS, policy.cfg, print)  # the adapter reaches the sampler
+    with torch.no_grad():
+        for k, p in policy.params().items():
+            if "lora_B" in k:
+                p.normal_(0.0, 0.1)  # the trainer moved on ...
+    monkeypatch.setattr(policy.generator, "sync", lambda policy: None)  # ... and the sampler never heard
+    assert not check_parity(policy, PROMPTS, policy.cfg, print)
+
+
+def test_merged_weights_equal_pefts_merge_and_only_what_lora_touches(tiny_llm):
+    cfg = llm_cfg(tiny_llm, lora_targets="q_proj,o_proj,down_proj")
+    policy = HFPolicy(cfg)
+    with torch.no_grad():
+        for k, p in policy.params().items():
+            if "lora_B" in k:
+                p.normal_(0.0, 0.1)
+    merged = model.merged_weights(policy)
+    layers = [f"model.layers.{i}" for i in range(2)]
+    assert set(merged) == {f"{layer}.{m}.weight" for layer in layers for m in  # q's fused k and v come along
+                           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj")}
+    reference = dict(copy.deepcopy(policy.lm).merge_and_unload().named_parameters())
+    for name, w in merged.items():
+        assert torch.allclose(w, reference[name], atol=1e-6), name
+    base = dict(AutoModelForCausalLM.from_pretrained(tiny_llm).named_parameters())
+    assert torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
+    assert not torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    every = model.merged_weights(HFPolicy(llm_cfg(tiny_llm)))  # all seven projections: every one, once
+    assert len(every) == 2 * 7
+
+
+def test_old_logp_ablation_trains_against_the_samplers_numbers(tiny_llm):
+    for mode in ("trainer", "sampler"):
+        cfg = llm_cfg(tiny_llm, old_logp=mode, gen_dtype="bfloat16")
+        policy = HFPolicy(cfg)
+        torch.manual_seed(0)
+        batch = Arith(cfg).rollout(policy, 0)
+        train.score_old(policy, batch, cfg)
+        if mode == "trainer":  # sync, one update: nothing recorded, old_logp from the update's own forward
+            assert batch.sampler_logp is None and batch.old_logp is None
+        else:  # the bf16 sampler's logprobs stand in for the fp32 trainer's: the ratio is no longer 1
+            assert batch.old_logp is batch.sampler_logp
+            batch.adv = torch.ones_like(batch.mask) * batch.mask
+            stats = train.update(policy, torch.optim.SGD(list(policy.params().values()), lr=0.0), batch, cfg, 8)
+            assert stats["ratio_max"] > 1.0 and stats["ratio"] != pytest.approx(1.0, abs=1e-6)
 
 
 def test_check_parity_cli_exit_code(tiny_llm):
@@ -81,12 +133,14 @@ def test_probe_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
 
 # --- vLLM ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def vpolicy():
-    cfg = Config(task="arith", model=SMOL, generator="vllm", lora_r=8, lora_alpha=16, gen_dtype="float32", bf16=False,
-                 max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0).validate()
+@pytest.fixture(scope="module", params=["merge", "adapter"])
+def vpolicy(request):
+    import gc
+    cfg = Config(task="arith", model=SMOL, generator="vllm", vllm_lora=request.param, lora_r=8, lora_alpha=16,
+                 gen_dtype="float32", bf16=False, max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0).validate()
     torch.manual_seed(0)
-    return HFPolicy(cfg)
+    yield HFPolicy(cfg)
+    gc.collect()  # one engine at a time: the next mode's starts after this one is gone
 
 
 @with_vllm
@@ -135,7 +189,7 @@ class TestVLLM:
             delta = vpolicy.score(batch)["logp"][m] - batch.sampler_logp[m]
         assert delta.abs().mean() < 1e-3 and (batch.sampler_logp[env] == 0).all()
 
-    def test_adapter_swap_changes_samples_and_cleans_up(self, vpolicy):
+    def test_a_new_adapter_changes_samples_and_older_ones_leave(self, vpolicy):
         gen = vpolicy.generator
         vpolicy.publish()
         before, v = gen.generate([vpolicy.prompt_ids(p) for p in PROMPTS], 1, greedy=True)[0], gen.version
@@ -146,10 +200,42 @@ class TestVLLM:
         vpolicy.publish()
         after = gen.generate([vpolicy.prompt_ids(p) for p in PROMPTS], 1, greedy=True)[0]
         assert after != before
-        assert gen.version == v + 1 and gen.lora.lora_int_id == gen.version  # a new LoRA id per version
-        assert os.listdir(gen.dir) == [f"v{gen.version}"]  # older adapter folders are deleted
-        assert gen.llm.llm_engine.list_loras() <= {gen.version}  # and leave the engine
-        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(gen.lora.lora_path))
+        if vpolicy.cfg.vllm_lora == "adapter":
+            assert gen.version == v + 1 and gen.lora.lora_int_id == gen.version  # a new LoRA id per version
+            assert os.listdir(gen.dir) == [f"v{gen.version}"]  # older adapter folders are deleted
+            assert gen.llm.llm_engine.list_loras() <= {gen.version}  # and leave the engine
+            assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(gen.lora.lora_path))
+        else:
+            assert gen.lora is None and os.listdir(gen.dir) == []  # merged: no adapter in the engine, none on disk
+
+    def test_parity_after_real_updates_and_a_stale_sampler_is_caught(self, vpolicy, monkeypatch):
+        cfg = vpolicy.cfg
+        task = Arith(dataclasses.replace(cfg, lr=0.05))
+        opt = torch.optim.Adam(list(vpolicy.params().values()), lr=0.05)
+        for step in range(3):  # real optimizer steps on sampled batches: the adapter moves away from B = 0
+            torch.manual_seed(step)
+            batch = task.rollout(vpolicy, step)
+            batch.adv = torch.randn(len(batch.mask), 1) * batch.mask
+            train.update(vpolicy, opt, batch, cfg, cfg.max_new_tokens)
+            vpolicy.publish()
+        assert check_parity(vpolicy, PROMPTS, cfg, print)  # tolerance 1e-3: fp32 on both sides
+        with torch.no_grad():
+            for k, p in vpolicy.params().items():
+                if "lora_B" in k:
+                    p.add_(0.05 * torch.randn_like(p))
+        monkeypatch.setattr(vpolicy.generator, "sync", lambda policy: None)  # a sync that does not take
+        assert not check_parity(vpolicy, PROMPTS, cfg, print)
+
+
+@with_vllm
+def test_check_parity_passes_on_every_shipped_cpu_config():
+    import glob
+    configs = sorted(glob.glob("configs/*_cpu.yaml"))
+    assert len(configs) >= 4
+    for config in configs + ["configs/arith_grpo_cpu.yaml --generator vllm"]:
+        run = subprocess.run([sys.executable, "train.py", "--config", *config.split(), "--check-parity"],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and "-> ok tolerance" in run.stdout, config + run.stdout[-800:] + run.stderr[-2000:]
 
 
 @with_vllm
