@@ -26,10 +26,11 @@ class Config:
     out: str = ""  # run directory ("" = runs/<task>-<algo>-<time>)
     resume: str = ""  # run directory to continue from ("" = start fresh)
     eval_every: int = 5  # greedy evaluation every N steps, and always at step 0 (0 = step 0 only)
-    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    save_every: int = 10  # checkpoint every N steps, and at the end (0 = only at the end)
     stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
     device: str = "cpu"  # torch device for LLM tasks: cpu, cuda, cuda:1 ... (control tasks always run on the CPU)
     threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
+    log_to: str = ""  # trackers next to metrics.csv and curves.png, comma-separated: tensorboard, wandb
     # --- async (serve.py): a trainer and any number of rollout workers ---
     role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
     port: int = 8000  # trainer: port to listen on (0 = any free port)
@@ -46,7 +47,12 @@ class Config:
     eval_episodes: int = 10  # held-out episodes (fixed seeds) per control-task evaluation
     # --- LLM tasks ---
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # hub id or local folder of a causal LM
-    data: str = ""  # jsonl task: a local file of {"question": ..., "answer": ...} rows
+    data: str = ""  # data task: a Hugging Face dataset id (openai/gsm8k) or a local .jsonl / .json / .parquet / .csv file
+    data_config: str = ""  # data task: the dataset's configuration, e.g. main for openai/gsm8k
+    data_split: str = "train"  # data task: the split trained on; its last n_eval rows are held out unless eval_split
+    eval_split: str = ""  # data task: a split of a hub dataset to hold out from instead (its first n_eval rows)
+    question_field: str = "question"  # data task: the column holding the question
+    answer_field: str = "answer"  # data task: the column holding the answer (GSM8K's "... #### 42" understood)
     digits: int = 1  # arith: digits per operand
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
     max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm
@@ -74,6 +80,7 @@ class Config:
     lora_alpha: int = 32  # LoRA scale alpha / r
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules LoRA adapts
     grad_ckpt: bool = False  # gradient checkpointing: less memory, one more forward per backward
+    fsdp: bool = False  # under torchrun, shard the LLM policy over the ranks with FSDP2 (weights, gradients, optimizer)
     bf16: bool = True  # bf16 autocast for the trainer where the device has fast bf16 (weights stay fp32)
     lr: float = 0.01  # Adam learning rate
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
@@ -113,6 +120,7 @@ class Config:
         ranks = int(os.environ.get("WORLD_SIZE", 1))
         need(self.batch_size // self.group_size % ranks == 0,
              f"{self.batch_size // self.group_size} prompts per step do not split over {ranks} ranks: change --batch-size")
+        need(not self.fsdp or ranks > 1, "--fsdp shards the policy over ranks: run under torchrun --nproc-per-node 2 (or more)")
         need(self.batch_size % self.minibatches == 0,
              f"batch_size {self.batch_size} is not divisible by minibatches {self.minibatches}")
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
@@ -131,6 +139,7 @@ class Config:
         need(self.tis_clip == 0 or self.tis_clip >= 1,
              f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
         need(self.old_logp in ("trainer", "sampler"), f"old_logp {self.old_logp!r}: use trainer (or sampler, the ablation)")
+        need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"}, f"log_to {self.log_to!r}: use tensorboard, wandb or both")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
         return self
@@ -141,9 +150,14 @@ class Config:
 
 
 def _field_help():
-    """The trailing comment of each field line, used as its --help text."""
-    src = inspect.getsource(Config)
-    return dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", src, re.M))
+    """Field -> (the trailing comment of its line: its --help text, the section it sits under)."""
+    out, section = {}, ""
+    for line in inspect.getsource(Config).splitlines():
+        if m := re.match(r"\s+# --- (.*) ---", line):
+            section = m[1]
+        elif m := re.match(r"^\s+(\w+): \w+ = .*?  # (.*)$", line):
+            out[m[1]] = (m[2], section)
+    return out
 
 
 def _closest(key, valid):
@@ -151,7 +165,7 @@ def _closest(key, valid):
     field whose help says the key's words: learning_rate -> lr, "Adam learning rate")."""
     helps, words = _field_help(), key.strip("-").replace("-", " ").replace("_", " ")
     hit = difflib.get_close_matches(key, valid, n=1) or [
-        v for v in valid if len(words) > 3 and words in helps.get(v.strip("-").replace("-", "_"), "")]
+        v for v in valid if len(words) > 3 and words in helps.get(v.strip("-").replace("-", "_"), ("",))[0]]
     return f" (did you mean {hit[0]!r}?)" if hit else ""
 
 
@@ -202,13 +216,15 @@ def parse(argv=None, choices=None):
     parser = argparse.ArgumentParser(description="flatrl: RL post-training in seven flat files",
                                      allow_abbrev=False, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="YAML preset; flags given here override it")
+    groups = {}  # --help lists the flags under config.py's section comments
     for f in dataclasses.fields(Config):
-        flag, help = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
+        (help, section), flag = helps[f.name], "--" + f.name.replace("_", "-")
         help += f" [{', '.join(choices[f.name])}]" if f.name in choices else ""
+        group = groups.setdefault(section, parser.add_argument_group(section))
         if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
-            parser.add_argument(flag, type=f.type, help=help, metavar=f.name.upper())
+            group.add_argument(flag, type=f.type, help=help, metavar=f.name.upper())
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)]
@@ -227,5 +243,6 @@ def parse(argv=None, choices=None):
 
 
 def save(cfg, path):
-    with open(path, "w") as f:
+    with open(f"{path}.tmp", "w") as f:
         yaml.safe_dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ONE_SHOT}, f, sort_keys=False)
+    os.replace(f"{path}.tmp", path)  # whole or not at all: --resume reads it

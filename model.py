@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import Batch, fast_bf16
+from utils import Batch, fast_bf16, full
 
 
 def mlp(n_in, hidden, n_out):
@@ -79,14 +79,15 @@ def merged_weights(policy):
     plus the rest of its fused group (q/k/v, gate/up: vLLM loads each group as one tensor, and reloading
     q_proj without its k/v gave different logprobs, measured), nothing else; with full fine-tuning, all."""
     if policy.cfg.lora_r == 0:
-        return policy.lm.state_dict()
+        return {k: full(v) for k, v in policy.lm.state_dict().items()}
+
     def adapted(m):
         return hasattr(m, "lora_A") and "default" in m.lora_A
 
-    def weight(m):  # [out, in]
+    def weight(m):  # [out, in], whole (gathered from every rank under FSDP)
         if not adapted(m):
-            return m.weight
-        return m.base_layer.weight + m.scaling["default"] * m.lora_B["default"].weight @ m.lora_A["default"].weight
+            return full(m.weight)
+        return full(m.base_layer.weight) + m.scaling["default"] * full(m.lora_B["default"].weight) @ full(m.lora_A["default"].weight)
 
     modules, out = dict(policy.lm.named_modules()), {}
     for name in [n for n, m in modules.items() if adapted(m)]:
@@ -276,6 +277,13 @@ class HFPolicy(nn.Module):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
         self.autocast = cfg.bf16 and fast_bf16(self.device)
+        if cfg.fsdp:  # FSDP2: each decoder layer a unit, then the rest; gradients SUMMED over ranks, not averaged,
+            from torch.distributed.fsdp import fully_shard  # because loss_weights carry global denominators
+            blocks = set((lm.get_base_model() if cfg.lora_r else lm)._no_split_modules or ())
+            for m in [m for m in lm.modules() if type(m).__name__ in blocks] + [lm, self.value_head]:
+                if m is not None:  # plain SUM collectives: gloo has no AVG or PREMUL_SUM
+                    fully_shard(m).set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)
 
     def prompt_ids(self, text):
         if self.tok.chat_template:
@@ -385,10 +393,15 @@ class HFPolicy(nn.Module):
     def params(self):
         return {k: v for k, v in self.named_parameters() if v.requires_grad}
 
-    def save_adapter(self, path):
-        """LoRA: the adapter in PEFT format (PeftModel.from_pretrained loads it); full FT: the model."""
-        self.lm.save_pretrained(path, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
-        self.tok.save_pretrained(path)
+    def save_adapter(self, path, params):
+        """LoRA: the adapter in PEFT format (PeftModel.from_pretrained loads it); full FT: the model. `params`
+        are the whole trainable weights (save_checkpoint's), so FSDP shards never reach the files. Written
+        to path.tmp first, then swapped in: a kill mid-save leaves the previous adapter (and the checkpoint)."""
+        whole = {k.removeprefix("lm."): v for k, v in params.items() if k.startswith("lm.")}
+        self.lm.save_pretrained(path + ".tmp", state_dict=whole, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
+        self.tok.save_pretrained(path + ".tmp")
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
 
 
 def local_copy(model):

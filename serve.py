@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from model import check_parity
-from utils import Batch, Logger
+from utils import Batch, Logger, broadcast_bytes, full, rank, sharded, world
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
 FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
@@ -167,6 +167,9 @@ def make_handler(hub, cfg, expect, token):
                     return self.reply(200, {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts})
             if not self.authorized():
                 return self.fail(401, "missing or wrong bearer token")
+            if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
+                with hub.cond:
+                    hub.seen[worker] = time.time()
             if url.path == "/config":
                 return self.reply(200, {"fingerprint": {k: getattr(cfg, k) for k in FINGERPRINT}, "steps": cfg.steps})
             if url.path != "/weights":
@@ -175,10 +178,8 @@ def make_handler(hub, cfg, expect, token):
                 q = {k: int(v) for k, (v,) in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items()}
             except ValueError:
                 return self.fail(400, "query parameters have and wait must be integers")
-            have, wait, worker = q.get("have", -1), min(max(q.get("wait", 0), 0), 60), self.headers.get("X-Flatrl-Worker")
+            have, wait = q.get("have", -1), min(max(q.get("wait", 0), 0), 60)
             with hub.cond:
-                if worker:  # a flatrl worker (a curl is not waited for at the end)
-                    hub.seen[worker] = time.time()
                 hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
                 if hub.done or hub.version >= cfg.steps:  # a worker stops at the final weights too
                     hub.told.add(worker)
@@ -236,29 +237,43 @@ class AsyncSource:
             raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
         self.snapshots, self.staleness, self.probe_gaps = {}, [], []
-        self.probe = policy.probe() if task.llm else None
+        self.probe, self.expect = policy.probe() if task.llm else None, Expect(task, policy)
         self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
-        self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), make_handler(self.hub, cfg, Expect(task, policy), token))
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = None  # under torchrun only rank 0 serves; the others get every batch from it (next_batch)
+        if rank() == 0:
+            self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), make_handler(self.hub, cfg, self.expect, token))
+            self.server.daemon_threads = True
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+            log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
         self.publish(version)
-        log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
 
     def publish(self, version):
-        """One serialization per version, shared by every worker; its weights kept as a snapshot."""
+        """One serialization per version, shared by every worker; its weights kept as a snapshot (every rank
+        keeps its own: its shards under FSDP). What goes on the wire is whole: gathered onto rank 0."""
         self.policy.publish()  # the trainer's own sampler serves its evaluations
-        params = {k: v.detach().cpu().clone() for k, v in self.policy.params().items()}
-        self.snapshots[version] = params
+        params = self.policy.params()
+        self.snapshots[version] = {k: v.detach().clone() if sharded(v) else v.detach().cpu().clone()
+                                   for k, v in params.items()}
         for old in [v for v in self.snapshots if v < version - self.cfg.max_staleness]:
             del self.snapshots[old]
         wire = getattr(torch, self.wire)  # old_logp still comes from the fp32 snapshots above
-        blob = st_save({k: v.to(wire) for k, v in params.items() if not k.startswith("value_head")},
-                       metadata={"version": str(version)})
+        whole = {k: full(v).detach().cpu().to(wire) for k, v in params.items() if not k.startswith("value_head")}
+        blob = st_save(whole, metadata={"version": str(version)}) if rank() == 0 else b""  # only rank 0 serves it
         with self.hub.cond:
             self.hub.version, self.hub.blob, self.hub.sha = version, blob, hashlib.sha256(blob).hexdigest()
             self.hub.cond.notify_all()
 
     def next_batch(self, step):
+        """Rank 0 takes the next batch it still holds the weights of; under torchrun it is broadcast (as
+        safetensors bytes) and every rank keeps its share of the prompt groups, so the global sums of the
+        loss weights still span the whole batch."""
+        batch = self.take(step) if rank() == 0 else None
+        if world() > 1:
+            batch = unpack_batch(broadcast_bytes(pack_batch(batch, "rank0") if batch else None), self.cfg, self.expect)[0]
+            batch = batch.rows(torch.nonzero(batch.group % world() == rank())[:, 0])
+        return batch
+
+    def take(self, step):
         waited = time.time()
         while True:
             with self.hub.cond:
@@ -300,6 +315,8 @@ class AsyncSource:
         """Tell the workers training is over (410 on their next request), wait until every worker heard
         from in the last two minutes has heard it, at most 30 s, then stop serving. A worker that found no
         trainer would retry for connect_timeout seconds and exit 1."""
+        if self.server is None:  # not rank 0
+            return
         with self.hub.cond:
             self.hub.done, t = True, time.time()
             self.hub.cond.notify_all()

@@ -348,29 +348,60 @@ class Countdown(LLMTask):
         return countdown_correct(prompt, completion, answer)
 
 
-class JsonlTask(LLMTask):
-    """Question / numeric answer rows from a local file (--data), GSM8K style: an answer may end in
-    '#### 42'. The last n_eval rows are held out."""
+FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' loader per suffix
+
+
+class DataTask(LLMTask):
+    """Question / numeric answer rows of a Hugging Face dataset, loaded with datasets.load_dataset: a hub id
+    (--data openai/gsm8k --data-config main) or a local .jsonl / .json / .parquet / .csv file. An answer
+    may end in '#### 42' (GSM8K). Held out: the first n_eval rows of --eval-split, else the last n_eval
+    rows of --data-split; training never draws them."""
     rewards = [(0.1, format_reward), (1.0, numeric_match)]
 
     def __init__(self, cfg):
-        if not os.path.exists(cfg.data):
-            raise SystemExit(f"config error: task jsonl needs --data FILE.jsonl with question/answer rows (got {cfg.data!r})")
-        with open(cfg.data) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        if len(rows) <= cfg.n_eval:
-            raise SystemExit(f"config error: {cfg.data} has {len(rows)} rows; it needs more than --n-eval {cfg.n_eval}")
-        self.rows = [(r["question"], str(r["answer"]).split("####")[-1].strip().replace(",", "")) for r in rows]
+        if cfg.eval_split and os.path.splitext(cfg.data)[1] in FILE_KINDS:
+            raise SystemExit("config error: --eval-split names a split of a hub dataset; a local file holds out its "
+                             "last --n-eval rows (drop --eval-split)")
+        rows = self.load(cfg, cfg.data_split)
+        self.held = self.load(cfg, cfg.eval_split)[:cfg.n_eval] if cfg.eval_split else rows[-cfg.n_eval:]
+        self.rows = rows if cfg.eval_split else rows[:-cfg.n_eval]
+        if not self.rows or len(self.held) < cfg.n_eval:
+            raise SystemExit(f"config error: --data {cfg.data} has too few rows for {cfg.n_eval} held out and some to "
+                             f"train on: lower --n-eval")
         super().__init__(cfg)
 
+    @staticmethod
+    def load(cfg, split):
+        try:
+            import datasets  # optional (pip install datasets): only this task needs it
+        except ImportError:
+            raise SystemExit("config error: the data task needs the datasets package: pip install datasets")
+        datasets.disable_progress_bars()  # its bars would bury the run's own output
+        kind = FILE_KINDS.get(os.path.splitext(cfg.data)[1])
+        if kind and not os.path.isfile(cfg.data) or not cfg.data:
+            raise SystemExit(f"config error: --data {cfg.data!r}: no such file (give a local .jsonl / .json / .parquet / "
+                             ".csv file, or a Hugging Face dataset id such as openai/gsm8k)")
+        try:
+            ds = (datasets.load_dataset(kind, data_files=cfg.data, split="train") if kind else
+                  datasets.load_dataset(cfg.data, cfg.data_config or None, split=split))
+        except Exception as e:  # not on the hub, not cached while offline, no such config or split: many types
+            raise SystemExit(f"config error: --data {cfg.data}: {type(e).__name__}: {str(e).splitlines()[0][:300]} (a hub "
+                             "dataset must be cached to load offline: load it once online, or give a local file)")
+        fields = [cfg.question_field, cfg.answer_field]
+        if missing := [f for f in fields if f not in ds.column_names]:
+            raise SystemExit(f"config error: --data {cfg.data} has no field {missing[0]!r} (it has "
+                             f"{', '.join(ds.column_names)}): set --question-field / --answer-field")
+        return [(str(r[fields[0]]), str(r[fields[1]]).split("####")[-1].strip().replace(",", "")) for r in ds]
+
     def held_out(self):
-        return self.rows[-self.cfg.n_eval:]
+        return self.held
 
     def problem(self, rng):
-        return self.rows[rng.randrange(len(self.rows) - self.cfg.n_eval)]
+        return self.rows[rng.randrange(len(self.rows))]
 
     def build_prompt(self, question):
         return question + "\nThink step by step, then put the final number in <answer></answer> tags."
 
 
-TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "jsonl": JsonlTask}
+TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "data": DataTask,
+         "jsonl": DataTask}  # jsonl: the data task's former name

@@ -3,9 +3,13 @@ discounted sums (returns, GAE), seeding, distributed helpers, checkpoints and th
 """
 import csv
 import dataclasses
+import itertools
 import json
 import os
 import random
+import sys
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -142,34 +146,91 @@ def all_reduce_sum(t):
     return t
 
 
+def wire(t):  # collectives run where the backend wants them: nccl on the current GPU, gloo on the CPU
+    return t.cuda() if dist.get_backend() == "nccl" else t
+
+
+def broadcast_bytes(data):
+    """Rank 0's bytes on every rank: a length, then a uint8 tensor (no pickle). Other ranks pass None."""
+    if not dist_on():
+        return data
+    n = wire(torch.tensor([len(data) if rank() == 0 else 0]))
+    dist.broadcast(n, 0)
+    buf = wire(torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank() == 0 else torch.empty(int(n), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().numpy())
+
+
+def all_gather(t):  # -> [every rank's t]
+    out = [wire(torch.empty_like(t)) for _ in range(world())]
+    dist.all_gather(out, wire(t))
+    return [x.cpu() for x in out]
+
+
+def sharded(t):
+    """Is t an FSDP shard (a DTensor)? Not unless torch.distributed.tensor was imported, which only FSDP runs
+    do: every other run skips its ~0.4 s of imports."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def full(t):
+    """An FSDP shard -> the whole tensor, gathered from every rank: a collective, so every rank calls it, in
+    the same order. Any other tensor comes back as it is."""
+    return t.full_tensor() if sharded(t) else t
+
+
+def like(t, ref):
+    """A whole tensor -> laid out like ref: this rank's shard where ref is an FSDP shard (a collective)."""
+    if not sharded(ref):
+        return t
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(t.to(ref.dtype), ref.device_mesh, ref.placements)
+
+
+def held_mb(module):
+    """(trainable, frozen) MB of parameters this rank holds: its shards under FSDP, all of them otherwise."""
+    local = [(p.requires_grad, (p.to_local() if sharded(p) else p).nbytes) for p in module.parameters()]
+    return tuple(sum(n for grad, n in local if grad == t) / 2**20 for t in (True, False))
+
+
 # --- checkpoints: safetensors + JSON, no pickle -------------------------------------------------
 
 def save_checkpoint(path, params, opt, meta):
-    """params: name -> tensor; opt: a torch optimizer; meta: JSON-able. RNG states included."""
+    """params: name -> tensor; opt: a torch optimizer; meta: JSON-able. Every rank calls it: FSDP shards are
+    gathered whole, and each rank's RNG state is kept ([world, S]); rank 0 writes, to a temporary file that
+    replaces the old checkpoint only once complete, so a kill mid-save leaves the previous one intact.
+    -> the whole trainable weights (rank 0 saves the PEFT adapter from them)."""
     state = opt.state_dict()
-    tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in params.items()}
-    tensors["rng.torch"] = torch.get_rng_state()
+    params = {k: full(v).detach().contiguous().cpu() for k, v in params.items()}
+    tensors = {f"model.{k}": v for k, v in params.items()}
     for i, s in state["state"].items():
-        tensors.update({f"opt.{i}.{k}": v.cpu().contiguous() for k, v in s.items()})
-    meta = {**meta, "opt_groups": state["param_groups"], "rng_python": random.getstate()}
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"flatrl": json.dumps(meta)})
-    os.replace(tmp, path)  # a crash mid-write never leaves a half checkpoint behind
+        tensors.update({f"opt.{i}.{k}": full(v).cpu().contiguous() for k, v in s.items()})
+    rng = torch.get_rng_state()
+    tensors["rng.torch"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
+    if rank() == 0:
+        meta = {**meta, "opt_groups": state["param_groups"], "rng_python": random.getstate()}
+        save_file(tensors, path + ".tmp", metadata={"flatrl": json.dumps(meta)})
+        os.replace(path + ".tmp", path)
+    return params
 
 
 def load_checkpoint(path, opt):
-    """-> (params name -> tensor, meta). Restores the optimizer and the RNG states."""
+    """-> (params name -> whole tensor, meta). Every rank reads the file (a shared filesystem across nodes) and
+    restores the optimizer, laid out like its parameters (shards under FSDP), and its own RNG state."""
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
     tensors = load_file(path)
-    state = {}
+    ordered, state = [p for g in opt.param_groups for p in g["params"]], {}
     for k, v in tensors.items():
         if k.startswith("opt."):
             _, i, name = k.split(".", 2)
-            state.setdefault(int(i), {})[name] = v
+            state.setdefault(int(i), {})[name] = like(v, ordered[int(i)]) if v.dim() else v
     opt.load_state_dict({"state": state, "param_groups": meta["opt_groups"]})
-    torch.set_rng_state(tensors["rng.torch"])
+    rng = tensors["rng.torch"].view(-1, tensors["rng.torch"].shape[-1])  # [world, S]
+    if len(rng) == world():  # resumed on as many ranks: each continues its own stream (else: seeded afresh)
+        torch.set_rng_state(rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
     version, internal, gauss = meta["rng_python"]
     random.setstate((version, tuple(internal), gauss))
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
@@ -177,15 +238,25 @@ def load_checkpoint(path, opt):
 
 # --- logging ------------------------------------------------------------------------------------
 
-class Logger:
-    """One call per step: a tqdm progress line and a metrics.csv row; curves.png at the end.
-    Everything is a no-op on ranks other than 0."""
+# What curves.png shows, one panel each (the first key on the left axis, the rest on the right), with how to read
+# them in README: reward and the held-out metric; entropy; approx_kl / clipfrac; length / truncated; grad_norm;
+# and, for async runs, staleness / probe_gap.
+PANELS = (("reward", "eval_"), ("entropy",), ("approx_kl", "clipfrac"), ("length", "truncated"), ("grad_norm",),
+          ("staleness", "probe_gap"))
 
-    def __init__(self, run_dir, start, steps):
+
+class Logger:
+    """One call per step: a tqdm progress line, a metrics.csv row, and the trackers --log-to names
+    (TensorBoard, Weights & Biases; the resolved config logged as the run's config); curves.png at the
+    end. Everything is a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir, start, steps, cfg=None):
         self.on = rank() == 0
         self.path, self.rows = os.path.join(run_dir, "metrics.csv"), []
         self.bar = tqdm(total=steps, initial=start, dynamic_ncols=True, disable=not self.on)
         self.fields, self.last_eval = None, {}
+        self.trackers = [tracker(name, run_dir, dataclasses.asdict(cfg)) for name in cfg.log_to.split(",") if name] \
+            if self.on and cfg else []
         if self.on and os.path.exists(self.path):  # resumed: keep the curve up to the checkpoint's step
             with open(self.path) as f:
                 reader = csv.DictReader(f)
@@ -195,12 +266,14 @@ class Logger:
             self.write()
 
     def write(self, rows=None):
-        """Append rows to metrics.csv; with none, rewrite it whole (a new column, or a resume)."""
-        with open(self.path, "a" if rows else "w", newline="") as f:
+        """Append rows to metrics.csv; with none, rewrite it whole (a new column, or a resume), atomically."""
+        with open(self.path if rows else self.path + ".tmp", "a" if rows else "w", newline="") as f:
             w = csv.DictWriter(f, self.fields, restval="")
             if not rows:
                 w.writeheader()
             w.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows or self.rows)
+        if not rows:
+            os.replace(self.path + ".tmp", self.path)
 
     def say(self, msg):
         if self.on:
@@ -214,6 +287,8 @@ class Logger:
         new_column = self.fields is None or not row.keys() <= set(self.fields)
         self.fields = list(dict.fromkeys([*(self.fields or []), *row]))
         self.write(None if new_column else [row])
+        for log, _ in self.trackers:
+            log(row)
         self.last_eval = {k: v for k, v in row.items() if k.startswith("eval_")} or self.last_eval
         post = {k: f"{row[k]:.3g}" for k in show if k in row}
         post.update({k[5:]: f"{v:.3g}" for k, v in self.last_eval.items()})
@@ -221,20 +296,57 @@ class Logger:
         self.bar.update(done - self.bar.n)
 
     def close(self, run_dir):
+        """curves.png: one panel per metric group of PANELS that the run logged, against step, wall time on top."""
         if not self.on:
             return
         self.bar.close()
-        import matplotlib  # only for the final plot: keeps it off the import path of every step
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, x in zip(axes, ("step", "time_s")):
-            for key in ("reward",) + tuple(k for k in self.fields or () if k.startswith("eval_")):
-                pts = [(r[x], r[key]) for r in self.rows if r.get(key) not in (None, "")]
-                if pts:
-                    ax.plot(*zip(*pts), label=key)
-            ax.set_xlabel(x)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(run_dir, "curves.png"))
-        plt.close(fig)
+        for _, close in self.trackers:
+            close()
+        from matplotlib.figure import Figure  # imported here, and without pyplot: a CartPole run ends sooner
+        wanted = lambda k, p: k == p or p.endswith("_") and k.startswith(p)  # noqa: E731  "eval_": every eval metric
+        panels = [p for p in ([k for p in group for k in self.fields or () if wanted(k, p)] for group in PANELS) if p]
+        if not panels:
+            return
+        steps, times = zip(*[(r["step"], r["time_s"]) for r in self.rows]) if self.rows else ((0,), (0,))
+        rows, cols = -(-len(panels) // 3), min(len(panels), 3)
+        fig = Figure(figsize=(4.2 * cols, 3.1 * rows))  # fixed margins: a layout engine would draw it twice
+        fig.subplots_adjust(left=0.7 / (4.2 * cols), right=1 - 0.8 / (4.2 * cols), bottom=0.5 / (3.1 * rows),
+                            top=1 - 0.6 / (3.1 * rows), wspace=0.6, hspace=0.6)
+        axes = fig.subplots(rows, cols, squeeze=False).flat
+        for ax in axes[len(panels):]:
+            ax.remove()
+        for ax, keys in zip(axes, panels):
+            lines, right = [], None
+            for i, key in enumerate(keys):  # a second kind of quantity gets the right-hand axis
+                on = ax if i == 0 or key.startswith("eval_") else right or ax.twinx()
+                right = on if on is not ax else right
+                pts = [(r["step"], r[key]) for r in self.rows if key in r]
+                lines += on.plot(*zip(*pts), label=key, color=f"C{i}", marker="." if len(pts) < 30 else None)
+            for on in (ax, right):
+                if on is not None:
+                    on.set_ylabel(" / ".join(line.get_label() for line in lines if line.axes is on))
+            ax.set_xlabel("step")
+            if len(lines) > 1:
+                ax.legend(handles=lines, fontsize=7)
+            ticks = [s for s in ax.get_xticks() if steps[0] <= s <= steps[-1]]  # the step ticks, labelled on top
+            top = ax.secondary_xaxis("top")  # with the wall time the run had reached by then
+            top.set_xticks(ticks, [f"{np.interp(s, steps, times):.3g}" for s in ticks])
+            top.set_xlabel("wall time (s)")
+        fig.savefig(os.path.join(run_dir, "curves.png"), dpi=90)
+
+
+def tracker(name, run_dir, config):
+    """--log-to: -> (log(row), close()). Each package is optional and imported only when asked for."""
+    try:
+        if name == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            w = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            w.add_text("config", json.dumps(config, indent=1))
+            return (lambda row: [w.add_scalar(k, v, int(row["step"])) for k, v in row.items() if k != "step"]), w.close
+        import wandb  # WANDB_MODE=offline writes the run under run_dir/wandb without an account
+        run = wandb.init(project="flatrl", name=os.path.basename(os.path.abspath(run_dir)), dir=run_dir, config=config)
+        return (lambda row: run.log(row, step=int(row["step"]))), run.finish
+    except ImportError:
+        raise SystemExit(f"config error: --log-to {name} needs its package: pip install {name}")
+
+

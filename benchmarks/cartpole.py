@@ -1,6 +1,7 @@
 """CartPole-v1: wall seconds and steps to solve, per algorithm and seed, side by side with
 stable-baselines3 PPO (default hyper-parameters) in the same run, alternating. Every timing is a whole
-command in a fresh process, imports included.
+command in a fresh process, imports included; for flatrl also when `solved` was printed (read from its
+unbuffered stdout as it happens) and what the command spent after it.
 
     pip install -e ".[bench]" && python benchmarks/cartpole.py --seeds 3
 """
@@ -34,21 +35,27 @@ print("env_steps", model.num_timesteps)
 
 
 def timed(cmd):
-    t = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"{cmd} failed:\n{out.stderr[-2000:]}")
-    return time.time() - t, out.stdout
+    """-> (wall s, stdout, seconds from the start until a line with 'solved at step' was printed, or None)."""
+    t, seen, lines = time.time(), None, []
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        lines.append(line)
+        if seen is None and "solved at step" in line:
+            seen = time.time() - t
+    if proc.wait():
+        raise SystemExit(f"{cmd} failed (rerun it by hand to see why)")
+    return time.time() - t, "".join(lines), seen
 
 
 def flatrl(args, seed):
-    """-> (wall s, env steps sampled for training, or None if it did not solve)."""
+    """-> (wall s, env steps sampled for training or None if it did not solve, s until 'solved' was printed)."""
     with tempfile.TemporaryDirectory() as d:
-        wall, out = timed([sys.executable, "train.py", *args, "--seed", str(seed), "--out", d])
+        wall, out, seen = timed([sys.executable, "train.py", *args, "--seed", str(seed), "--out", d])
         batch = yaml.safe_load(open(f"{d}/config.yaml"))["batch_size"]
         with open(f"{d}/metrics.csv") as f:
             env_steps = sum(float(r["length"]) * batch for r in csv.DictReader(f) if r.get("length"))
-    return wall, int(env_steps) if "solved at step" in out else None
+    return wall, int(env_steps) if seen else None, seen
 
 
 def main():
@@ -62,18 +69,23 @@ def main():
     for seed in range(a.seeds):  # alternate: every contender once per seed, in turn
         for name, args in jobs.items():
             res[name].append(flatrl(args, seed))
-            print(f"seed {seed} {name}: {res[name][-1][0]:.1f} s, {res[name][-1][1]} env steps", flush=True)
+            wall, steps, seen = res[name][-1]
+            print(f"seed {seed} {name}: {wall:.2f} s, {steps} env steps" +
+                  (f", solved printed at {seen:.2f} s, {wall - seen:.2f} s after it" if seen else ""), flush=True)
         if not a.no_sb3:
-            wall, out = timed([sys.executable, "-c", SB3, str(seed)])
-            res["sb3 PPO"].append((wall, int(out.split()[-1])))
-            print(f"seed {seed} sb3 PPO: {wall:.1f} s, {res['sb3 PPO'][-1][1]} env steps", flush=True)
-    sb3 = statistics.median(w for w, _ in res["sb3 PPO"]) if not a.no_sb3 else None
-    print("\n| run | solved | median wall s | median env steps | wall vs SB3 PPO |\n|---|---|---|---|---|")
+            wall, out, _ = timed([sys.executable, "-c", SB3, str(seed)])
+            res["sb3 PPO"].append((wall, int(out.split()[-1]), None))
+            print(f"seed {seed} sb3 PPO: {wall:.2f} s, {res['sb3 PPO'][-1][1]} env steps", flush=True)
+    sb3 = statistics.median(w for w, _, _ in res["sb3 PPO"]) if not a.no_sb3 else None
+    print("\n| run | solved | wall s per seed | median wall s | solved printed at (median) | after it (median) | "
+          "median env steps | wall vs SB3 PPO |\n|---|---|---|---|---|---|---|---|")
     for name, rows in res.items():
-        walls, steps = [w for w, _ in rows], [s for _, s in rows if s is not None]
+        walls, steps = [w for w, _, _ in rows], [s for _, s, _ in rows if s is not None]
+        seen = [(s, w - s) for w, _, s in rows if s is not None]
+        med = lambda xs, fmt=".2f": format(statistics.median(xs), fmt) if xs else "-"  # noqa: E731
         ratio = f"{statistics.median(walls) / sb3:.2f}x" if sb3 else "-"
-        med_steps = f"{statistics.median(steps):.0f}" if steps else "-"
-        print(f"| {name} | {len(steps)}/{len(rows)} | {statistics.median(walls):.1f} | {med_steps} | {ratio} |")
+        print(f"| {name} | {len(steps)}/{len(rows)} | {', '.join(f'{w:.1f}' for w in walls)} | {med(walls)} | "
+              f"{med([s for s, _ in seen])} | {med([t for _, t in seen])} | {med(steps, '.0f')} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -28,3 +28,14 @@ print("median s/step:", sorted(steps)[len(steps) // 2], " last logp_gap:", rows[
 worker = [float(r["publish_s"]) for r in csv.DictReader(open(f"{sys.argv[1]}-worker/metrics.csv"))]
 print("worker publish s (median):", sorted(worker)[len(worker) // 2])
 PY
+# FSDP over every GPU of the machine (benchmarks/scale.py's GPU variant): parameters per rank, s/step.
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+  torchrun --nproc-per-node "$GPUS" train.py "${COMMON[@]}" --fsdp --steps 10 --eval-every 0 --out "$OUT-fsdp" \
+    | grep "parameters on each"
+  python - "$OUT-fsdp" <<'PY'
+import csv, sys
+t = [float(r["time_s"]) for r in csv.DictReader(open(f"{sys.argv[1]}/metrics.csv")) if r.get("reward")]
+print("FSDP median s/step:", sorted(b - a for a, b in zip(t, t[1:]))[len(t) // 2 - 1])
+PY
+fi

@@ -205,7 +205,7 @@ def test_lora_adapter_round_trip(tiny_llm, tmp_path):
     batch.rewards = torch.rand_like(batch.mask) * batch.mask
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
     train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch, cfg, 8)
-    policy.save_adapter(tmp_path / "adapter")
+    policy.save_adapter(str(tmp_path / "adapter"), policy.params())
     loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")  # as README shows: no flatrl needed
     with torch.no_grad():
         ours = policy.lm(input_ids=batch.obs, attention_mask=batch.attn).logits

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What every node of a flatrl cluster runs; skypilot.yaml and slurm.sbatch only set the environment and
+# call this (tests/test_scale.py runs it on one machine: two trainer "nodes" and a worker on loopback).
+#   ROLE=trainer  this node's part of the trainer: torchrun, NNODES nodes x NPROC processes; global rank 0
+#                 (on NODE_RANK 0, the node HEAD names) serves weights and takes rollouts on PORT
+#   ROLE=rollout  one rollout worker, pulling weights from and pushing batches to http://HEAD:PORT
+# Also: CONFIG (a preset), BIND (the trainer's listen address: 0.0.0.0 on a cluster, which needs
+# FLATRL_TOKEN set on every node), RDZV_PORT; any arguments are passed on to train.py.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+: "${ROLE:?ROLE=trainer or ROLE=rollout}" "${HEAD:?HEAD=the first trainer node}" "${CONFIG:?CONFIG=a preset}"
+PORT=${PORT:-8000}
+if [ "$ROLE" = trainer ]; then
+  # Static rendezvous, not c10d: c10d numbers nodes by sorted host name, so global rank 0, the one that
+  # serves HTTP, could land on any node; --node-rank 0 pins it to HEAD, where the workers look for it.
+  exec torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "${NPROC:-1}" \
+    --master-addr "$HEAD" --master-port "${RDZV_PORT:-29500}" \
+    train.py --config "$CONFIG" --role trainer --bind "${BIND:-0.0.0.0}" --port "$PORT" "$@"
+fi
+exec python train.py --config "$CONFIG" --role rollout --trainer-url "http://$HEAD:$PORT" "$@"

@@ -1,0 +1,113 @@
+"""Datasets (local files of every format, one-line errors offline), trackers (TensorBoard read back, wandb
+offline), the run picture, and --help grouped by section. Offline, seconds each."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import config
+import train
+from tasks import DataTask
+from test_llm import llm_cfg
+
+ROWS = [{"question": f"Sam has {i} apples and buys {i % 5} more. How many?", "answer": f"{i} + {i % 5} = ...\n#### {i + i % 5:,}"}
+        for i in range(998, 1030)]
+
+
+def write(path, fmt, rows=ROWS):
+    import pandas as pd  # comes with datasets
+    frame = pd.DataFrame(rows)
+    {"jsonl": lambda: frame.to_json(path, orient="records", lines=True), "json": lambda: frame.to_json(path, orient="records"),
+     "parquet": lambda: frame.to_parquet(path), "csv": lambda: frame.to_csv(path, index=False)}[fmt]()
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv"])
+def test_local_files_of_every_format(tmp_path, fmt, tiny_llm):
+    task = DataTask(llm_cfg(tiny_llm, task="data", data=write(tmp_path / f"rows.{fmt}", fmt), n_eval=4))
+    assert [q for q, _ in task.eval_set] == [r["question"] for r in ROWS[-4:]]  # the last n_eval rows, in order
+    assert task.eval_set[0][1] == str(1026 + 1026 % 5)  # "#### 1,027" -> "1027"
+    drawn = {q for step in range(20) for q, _ in task.train_problems(step)}
+    assert drawn and not drawn & {q for q, _ in task.eval_set} and len(task.rows) == len(ROWS) - 4
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"data": "missing.jsonl"}, "'missing.jsonl': no such file"),
+    ({"data": "ROWS", "question_field": "prompt"}, "has no field 'prompt' (it has question, answer): set --question-field"),
+    ({"data": "ROWS", "eval_split": "test"}, "--eval-split names a split of a hub dataset"),
+    ({"data": "ROWS", "n_eval": 40}, "too few rows for 40 held out"),
+    ({"data": "nobody-here/no-such-dataset"}, "a hub dataset must be cached to load offline"),
+])
+def test_data_mistakes_are_one_line_errors(tmp_path, tiny_llm, kw, needle):
+    rows = write(tmp_path / "rows.jsonl", "jsonl")
+    args = [f"--{k.replace('_', '-')}={rows if v == 'ROWS' else v}" for k, v in {"n_eval": 4, **kw}.items()]
+    run = subprocess.run([sys.executable, "train.py", "--task", "data", "--model", tiny_llm, *args, "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                           "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode != 0 and "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith("config error: --") and needle in run.stderr
+
+
+def test_the_gsm8k_preset_names_the_hub_dataset():
+    cfg = config.parse(["--config", "configs/gsm8k_grpo_gpu.yaml"])
+    assert (cfg.task, cfg.data, cfg.data_config, cfg.eval_split) == ("data", "openai/gsm8k", "main", "test")
+
+
+def cartpole(tmp_path, *flags):
+    train.main(["--task", "cartpole", "--steps", "3", "--no-stop-when-solved", "--eval-every", "2", "--out", str(tmp_path), *flags])
+    return list(csv.DictReader(open(tmp_path / "metrics.csv")))
+
+
+def test_tensorboard_events_are_written_and_read_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    rows = cartpole(tmp_path, "--log-to", "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [e.value for e in events.Scalars("reward")] == pytest.approx([float(r["reward"]) for r in rows if r["reward"]], rel=1e-5)
+    assert [e.step for e in events.Scalars("eval_return")] == [0, 2, 3]
+    assert '"algo": "reinforce"' in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def test_wandb_offline_writes_its_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="pip install wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cartpole(tmp_path, "--log-to", "wandb")
+    (run,) = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    (log,) = (tmp_path / "wandb" / run).glob("*.wandb")  # protobuf records: wandb 0.31 has no Python reader
+    data = log.read_bytes()
+    assert b'algo\x82\x01\x0b"reinforce"' in data  # the config, key and JSON value
+    assert data.count(b"reward") >= 3  # one record per logged step
+
+
+def test_a_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(SystemExit, match="--log-to wandb needs its package: pip install wandb"):
+        cartpole(tmp_path, "--log-to", "wandb")
+    with pytest.raises(SystemExit, match="log_to 'mlflow': use tensorboard, wandb or both"):
+        config.parse(["--log-to", "mlflow"])
+
+
+def test_the_run_picture_has_a_panel_per_metric_group(tmp_path):
+    from matplotlib.image import imread
+    cartpole(tmp_path)
+    img = imread(tmp_path / "curves.png")
+    height, width, _ = img.shape
+    # reward + eval, entropy, approx_kl + clipfrac, length + truncated, grad_norm: 5 panels on a 2 x 3 grid of
+    # 4.2 x 3.1 in at 90 dpi; the sixth cell (staleness, async runs only) is left blank
+    assert (width, height) == (round(3 * 4.2 * 90), round(2 * 3.1 * 90))
+    assert (img[height // 2 + 5:, 2 * width // 3 + 5:, :3] == 1).all() and not (img[height // 2 + 5:, :width // 3, :3] == 1).all()
+
+
+def test_help_is_grouped_by_the_sections_of_config_py(capsys):
+    with pytest.raises(SystemExit):
+        config.parse(["--help"])
+    out = capsys.readouterr().out
+    for section, flag in (("run:", "--seed"), ("async (serve.py): a trainer and any number of rollout workers:", "--port"),
+                          ("LLM tasks:", "--max-turns"), ("update:", "--eps-high")):
+        assert out.index(section) < out.index("\n  " + flag + " ")  # the flag's own line, not the usage
+    assert out.index("update:") > out.index("LLM tasks:") > out.index("run:")

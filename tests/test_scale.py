@@ -1,0 +1,227 @@
+"""Scale-out on CPU with gloo: FSDP2 against one process, a data-parallel async trainer, the cluster recipe's
+commands (two torchrun "nodes" on loopback), and checkpoints that a kill -9 cannot lose."""
+import csv
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+import train
+from algos import ADVANTAGES
+from config import Config
+from model import HFPolicy, MLPPolicy
+from tasks import GymTask
+from test_llm import llm_cfg, sampled
+from test_serve import ROOT, finish, free_port, rows, spawn
+from utils import Batch, Logger, full
+
+
+def flat(policy):
+    return torch.cat([full(p).detach().flatten() for p in policy.params().values()])
+
+
+def _fsdp_rank(r, port, cfg, batch_file, out_file):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)  # the same initial weights on both ranks, then sharded
+    local = [sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in policy.parameters() if p.requires_grad == t)
+             for t in (True, False)]
+    whole = [sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad == t) for t in (True, False)]
+    batch = Batch(**load_file(batch_file))
+    mine = batch.rows(torch.nonzero(batch.group % 2 == r)[:, 0])  # this rank's prompt groups
+    mine.adv, _ = ADVANTAGES[cfg.algo](mine, cfg)
+    stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), mine, cfg,
+                         cfg.max_new_tokens)
+    params = flat(policy)  # gathered whole on every rank
+    if r == 0:
+        save_file({"params": params, "bytes": torch.tensor(local + whole, dtype=torch.float64),
+                   "loss": torch.tensor(stats["loss"]), "grad_norm": torch.tensor(stats["grad_norm"])}, out_file)
+    dist.barrier()  # neither rank tears down while the other still talks
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lora_r", [4, 0])
+def test_fsdp_two_ranks_equal_one_process(tiny_llm, tmp_path, lora_r):
+    one = llm_cfg(tiny_llm, lora_r=lora_r)
+    cfg = dataclasses.replace(one, fsdp=True)  # validate() would want torchrun's WORLD_SIZE: the ranks come from mp.spawn
+    torch.manual_seed(0)
+    policy = HFPolicy(one)
+    _, batch = sampled(policy, one, seed=3)
+    batch.rewards = torch.rand_like(batch.mask) * batch.mask  # every group varies
+    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
+    batch.adv, _ = ADVANTAGES["grpo"](batch, one)
+    stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch,
+                         one, one.max_new_tokens)
+    mp.spawn(_fsdp_rank, args=(free_port(), cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")),
+             nprocs=2)
+    out = load_file(tmp_path / "out.safetensors")
+    assert torch.allclose(out["params"], flat(policy), atol=1e-6, rtol=0)  # updated weights: the same
+    assert out["loss"].item() == pytest.approx(stats["loss"], abs=1e-6)
+    assert out["grad_norm"].item() == pytest.approx(stats["grad_norm"], rel=1e-5)  # so the gradient's norm too
+    trainable, frozen, trainable_all, frozen_all = out["bytes"].tolist()
+    assert 0.45 <= trainable / trainable_all <= 0.55  # each rank holds about half of every parameter
+    assert frozen_all == 0 or 0.45 <= frozen / frozen_all <= 0.55
+    print(f"FSDP, 2 ranks, lora_r {lora_r}: rank 0 holds {trainable / trainable_all:.3f} of the trainable and "
+          f"{frozen / max(frozen_all, 1):.3f} of the frozen parameter bytes")
+
+
+def torchrun(*args, nproc=2, env=None):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "train.py", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def test_fsdp_checkpoint_resume_is_exact_and_the_adapter_loads_with_peft(tiny_llm, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+    common = ["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
+              "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--lr", "0.05", "--eval-every", "0",
+              "--gen-dtype", "float32", "--fsdp"]
+    finish(torchrun(*common, "--steps", "4", "--out", str(tmp_path / "full")))
+    finish(torchrun(*common, "--steps", "2", "--out", str(tmp_path / "half")))
+    finish(torchrun("--resume", str(tmp_path / "half"), "--steps", "4"))
+    a, b = (load_file(tmp_path / d / "checkpoint.safetensors") for d in ("full", "half"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # resumed == never stopped, bit for bit
+    assert a["rng.torch"].shape[0] == 2  # each rank's RNG state is kept
+    lm = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "full" / "adapter"))  # gathered whole: PEFT loads it
+    ours = {k: v for k, v in lm.named_parameters() if "lora_" in k}
+    assert len(ours) == 2 * 2 * 7  # A and B of 7 projections in 2 layers
+    for k, v in ours.items():
+        assert torch.equal(v, a["model.lm." + k]), k
+
+
+def _async_rank(r, port, http_port, out_file):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    from serve import AsyncSource
+    cfg = Config(role="trainer", port=http_port, batch_size=8, group_size=2, algo="grpo").validate()
+    torch.manual_seed(0)
+    task = GymTask(Config(**{**cfg.__dict__, "role": "rollout"}))
+    policy = MLPPolicy(task.obs_dim, task.n_actions, 16)
+    source = AsyncSource(task, policy, cfg, Logger(os.path.dirname(out_file), 0, 1), version=0)
+    if r == 0:  # what a worker's POST leaves in the queue
+        source.hub.queue.append(Batch(**load_file(os.path.join(os.path.dirname(out_file), "batch.safetensors"))))
+    batch = source.next_batch(0)  # rank 0 broadcasts it; each rank keeps its share
+    with source.weights(batch):
+        train.score_old(policy, batch, cfg)
+    batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg, 500)
+    if r == 0:
+        save_file({"params": flat(policy), "rows": torch.tensor(len(batch.mask))}, out_file)
+    source.close()
+    dist.barrier()  # neither rank tears down while the other still talks
+    dist.destroy_process_group()
+
+
+def test_a_pushed_batch_trains_two_ranks_like_one_process(tmp_path):
+    cfg = Config(role="rollout", trainer_url="http://127.0.0.1:1", batch_size=8, group_size=2, algo="grpo").validate()
+    torch.manual_seed(0)
+    task = GymTask(cfg)
+    policy = MLPPolicy(task.obs_dim, task.n_actions, 16)
+    batch = task.rollout(policy, 0)
+    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
+    train.score_old(policy, batch, cfg)
+    batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg, 500)
+    mp.spawn(_async_rank, args=(free_port(), free_port(), str(tmp_path / "out.safetensors")), nprocs=2)
+    out = load_file(tmp_path / "out.safetensors")
+    assert out["rows"].item() == 4  # rank 0 trained on half of the rows ...
+    assert torch.allclose(out["params"], flat(policy), atol=1e-6, rtol=0)  # ... and the update is the whole batch's
+
+
+def test_the_cluster_recipe_runs_two_trainer_nodes_and_a_worker(tmp_path):
+    launch = os.path.join(ROOT, "configs", "cluster", "launch.sh")
+    env = {**os.environ, "HEAD": "127.0.0.1", "BIND": "127.0.0.1", "PORT": str(free_port()), "NNODES": "2",
+           "RDZV_PORT": str(free_port()), "CONFIG": "configs/cartpole_grpo.yaml", "FLATRL_TOKEN": "s3cret"}
+    flags = ["--steps", "6", "--no-stop-when-solved", "--eval-every", "0", "--connect-timeout", "60"]
+    nodes = [subprocess.Popen(["bash", launch, *flags, "--out", str(tmp_path / "t")], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**env, "ROLE": "trainer", "NODE_RANK": str(i)})
+             for i in range(2)]
+    worker = subprocess.Popen(["bash", launch, *flags, "--out", str(tmp_path / "w")], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**env, "ROLE": "rollout"})
+    outs = [finish(p) for p in nodes]
+    assert "training finished" in finish(worker)
+    assert len(rows(tmp_path / "t")) == 6 and "trainer listening on http://127.0.0.1" in outs[0]
+
+
+def test_an_fsdp_async_trainer_and_a_worker(tiny_llm, tmp_path):
+    port = free_port()
+    common = ["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
+              "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--eval-every", "0", "--gen-dtype", "float32",
+              "--connect-timeout", "60"]
+    trainer = torchrun(*common, "--fsdp", "--role", "trainer", "--port", str(port), "--steps", "3",
+                       "--out", str(tmp_path / "t"))
+    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
+    out = finish(trainer)
+    assert "training finished" in finish(worker)
+    trained = rows(tmp_path / "t")
+    assert len(trained) == 3 and all(float(r["probe_gap"]) < 1e-4 for r in trained)  # fp32 worker vs gathered weights
+    assert "parameters on each of 2 rank(s)" in out
+
+
+# --- checkpoints a kill cannot lose ------------------------------------------------------------------
+
+def wait_rows(run, n, proc, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        if os.path.exists(f"{run}/metrics.csv") and len(list(csv.DictReader(open(f"{run}/metrics.csv")))) >= n:
+            return
+        time.sleep(0.1)
+    raise TimeoutError
+
+
+def test_kill_9_with_default_flags_then_resume_reaches_the_end(tmp_path):
+    run = str(tmp_path / "run")
+    proc = spawn("--task", "cartpole", "--no-stop-when-solved", "--steps", "60", "--out", run)  # save_every: the default
+    wait_rows(run, 25, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert load_file(f"{run}/checkpoint.safetensors")  # a checkpoint exists without any flag asking for one
+    out = finish(spawn("--resume", run))
+    steps = [int(r["step"]) for r in csv.DictReader(open(f"{run}/metrics.csv"))]
+    assert steps == list(range(61)) and "results in" in out  # each step once, to the end
+
+
+KILLED_MID_SAVE = """
+import os, sys, time, torch
+import utils
+path = sys.argv[1]
+opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+utils.save_checkpoint(path, {"w": torch.ones(3)}, opt, {"step": 1})
+def slow_save(tensors, file, metadata):  # writes part of the file, then hangs: killed mid-save
+    with open(file, "wb") as f:
+        f.write(b"partial")
+    print("saving", flush=True)
+    time.sleep(60)
+utils.save_file = slow_save
+utils.save_checkpoint(path, {"w": torch.zeros(3)}, opt, {"step": 2})
+"""
+
+
+def test_a_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "checkpoint.safetensors")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, path], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    from utils import load_checkpoint
+    params, meta = load_checkpoint(path, opt)
+    assert meta["step"] == 1 and torch.equal(params["w"], torch.ones(3))
+
+
+def test_resume_with_flags_that_change_the_model_is_a_one_line_error(tmp_path):
+    finish(spawn("--task", "cartpole", "--steps", "2", "--out", str(tmp_path / "r")))
+    run = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path / "r"), "--hidden", "32"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert run.stderr.strip().startswith("config error: --resume") and "does not fit this policy" in run.stderr
