@@ -35,11 +35,15 @@ def main():
     a = p.parse_args()
     if a.steps < 1:
         p.error("--steps must be >= 1")
-    res = {m: run(m, a.steps, a.seed, a.eval_every) for m in ("trainer", "sampler")}
+    report({m: run(m, a.steps, a.seed, a.eval_every) for m in ("trainer", "sampler")}, a.steps)
+
+
+def report(res, steps):
+    """res: mode -> {step: metrics.csv row}. A table per step, then one summary line per mode."""
     cols = ("ratio", "ratio_max", "clipfrac", "reward", "eval_acc")
     print("| step | " + " | ".join(f"{c} ({m})" for c in cols for m in res) + " |")
     print("|---" * (1 + 2 * len(cols)) + "|")
-    for step in range(a.steps + 1):
+    for step in range(steps + 1):
         cell = lambda m, c: res[m].get(step, {}).get(c) or "-"  # noqa: E731
         print(f"| {step} | " + " | ".join(f"{float(cell(m, c)):.3g}" if cell(m, c) != "-" else "-"
                                           for c in cols for m in res) + " |")
