@@ -180,15 +180,22 @@ def _rank_main(r, port, cfg, batch_file, out_file):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
-def test_two_gloo_ranks_equal_one_process(tiny_llm, tmp_path, agg):
-    cfg = llm_cfg(tiny_llm, loss_agg=agg)
+def shared_batch(cfg, path):
+    """A fresh policy (seed 0) and a batch it sampled in which every group varies, also saved to path for the
+    ranks to load; its advantages computed. -> (policy, batch)"""
     torch.manual_seed(0)
     policy = HFPolicy(cfg)
     _, batch = sampled(policy, cfg, seed=3)
-    batch.rewards = torch.rand_like(batch.mask) * batch.mask  # every group varies
-    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
+    batch.rewards = torch.rand_like(batch.mask) * batch.mask
+    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, path)
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+    return policy, batch
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_two_gloo_ranks_equal_one_process(tiny_llm, tmp_path, agg):
+    cfg = llm_cfg(tiny_llm, loss_agg=agg)
+    policy, batch = shared_batch(cfg, tmp_path / "batch.safetensors")
     single = updated(policy, batch, cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ from algos import ADVANTAGES
 from config import Config
 from model import HFPolicy, MLPPolicy
 from tasks import GymTask
-from test_llm import llm_cfg, sampled
+from test_llm import llm_cfg, shared_batch
 from test_serve import ROOT, finish, free_port, rows, spawn
 from utils import Batch, Logger, full
 
@@ -53,12 +53,7 @@ def _fsdp_rank(r, port, cfg, batch_file, out_file):
 def test_fsdp_two_ranks_equal_one_process(tiny_llm, tmp_path, lora_r):
     one = llm_cfg(tiny_llm, lora_r=lora_r)
     cfg = dataclasses.replace(one, fsdp=True)  # validate() would want torchrun's WORLD_SIZE: the ranks come from mp.spawn
-    torch.manual_seed(0)
-    policy = HFPolicy(one)
-    _, batch = sampled(policy, one, seed=3)
-    batch.rewards = torch.rand_like(batch.mask) * batch.mask  # every group varies
-    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
-    batch.adv, _ = ADVANTAGES["grpo"](batch, one)
+    policy, batch = shared_batch(one, tmp_path / "batch.safetensors")
     stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch,
                          one, one.max_new_tokens)
     mp.spawn(_fsdp_rank, args=(free_port(), cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")),
