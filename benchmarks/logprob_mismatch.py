@@ -47,13 +47,14 @@ def report(res, steps):
         cell = lambda m, c: res[m].get(step, {}).get(c) or "-"  # noqa: E731
         print(f"| {step} | " + " | ".join(f"{float(cell(m, c)):.3g}" if cell(m, c) != "-" else "-"
                                           for c in cols for m in res) + " |")
-    for m, rows in res.items():
-        trained = [r for r in rows.values() if r.get("reward")]
+    for m, rows in res.items():  # a step whose groups all tied trained on nothing: it has no ratio
+        trained = [r for r in rows.values() if r.get("ratio")]
+        rewards = [float(r["reward"]) for r in rows.values() if r.get("reward")]
         evals = [float(r["eval_acc"]) for r in rows.values() if r.get("eval_acc")]
-        print(f"{m}: mean ratio {statistics.mean(float(r['ratio']) for r in trained):.4f}, max ratio "
-              f"{max(float(r['ratio_max']) for r in trained):.3f}, mean clipfrac "
+        print(f"{m}: {len(trained)} steps trained, mean ratio {statistics.mean(float(r['ratio']) for r in trained):.4f}, "
+              f"max ratio {max(float(r['ratio_max']) for r in trained):.3f}, mean clipfrac "
               f"{statistics.mean(float(r['clipfrac']) for r in trained):.4f}, final eval_acc {evals[-1]:.3f}, "
-              f"mean train reward over the last 10 steps {statistics.mean(float(r['reward']) for r in trained[-10:]):.3f}")
+              f"mean train reward over the last 10 steps {statistics.mean(rewards[-10:]):.3f}")
 
 
 if __name__ == "__main__":
