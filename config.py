@@ -30,6 +30,7 @@ class Config:
     stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
     device: str = "cpu"  # torch device for LLM tasks: cpu, cuda, cuda:1 ... (control tasks always run on the CPU)
     threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
+    peak_tflops: float = 0.0  # the device's matmul peak, for gen_mfu / train_mfu (0 = measured once per dtype, cached)
     log_to: str = ""  # trackers next to metrics.csv and curves.png, comma-separated: tensorboard, wandb
     # --- async (serve.py): a trainer and any number of rollout workers ---
     role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
@@ -140,6 +141,7 @@ class Config:
              f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
         need(self.old_logp in ("trainer", "sampler"), f"old_logp {self.old_logp!r}: use trainer (or sampler, the ablation)")
         need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"}, f"log_to {self.log_to!r}: use tensorboard, wandb or both")
+        need(self.peak_tflops >= 0, "peak_tflops must be >= 0 (0 = measure the device once)")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
         return self

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import Batch, fast_bf16, full
+from utils import Batch, fast_bf16, full, peak_flops
 
 
 def mlp(n_in, hidden, n_out):
@@ -272,11 +272,21 @@ class HFPolicy(nn.Module):
         if cfg.grad_ckpt:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lm = lm
+        tied = {id(lm.get_input_embeddings().weight), id(lm.get_output_embeddings().weight)}
+        mats = [p for p in lm.parameters() if p.dim() == 2 and id(p) not in tied]  # before FSDP shards them
+        self.n_mat, self.n_train = sum(p.numel() for p in mats), sum(p.numel() for p in mats if p.requires_grad)
+        c = lm.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.dims = (c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size,
+                     lm.get_output_embeddings().weight.shape[0])  # L, d_attn, d, V
+        self.flops_done = 0.0  # by score() and ref_logp() since the loop last took them (train_mfu)
         self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device) if cfg.algo == "ppo" else None
         if self.value_head is not None:  # V = 0 at the start: the first advantages are the plain returns
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
         self.autocast = cfg.bf16 and fast_bf16(self.device)
+        self.peak = {k: cfg.peak_tflops * 1e12 or peak_flops(self.device, dtype)  # FLOP/s, for MFU
+                     for k, dtype in (("gen", cfg.gen_dtype), ("train", "bfloat16" if self.autocast else "float32"))}
         if cfg.fsdp:  # FSDP2: each decoder layer a unit, then the rest; gradients SUMMED over ranks, not averaged,
             from torch.distributed.fsdp import fully_shard  # because loss_weights carry global denominators
             blocks = set((lm.get_base_model() if cfg.lora_r else lm)._no_split_modules or ())
@@ -313,7 +323,24 @@ class HFPolicy(nn.Module):
                     ents.append(lse - (lg.softmax(-1) * lg).sum(-1))
         return torch.cat(logps, 1), (torch.cat(ents, 1) if entropy else None)
 
+    def flops(self, batch, train=False):
+        """FLOPs of one pass over a batch's real tokens; padding is waste, not work, and is not counted.
+        For each row of S attended positions, C of them predicting completion tokens:
+            forward = 2 P_mat S  +  2 L d_attn S (S + 1)  +  2 d V C
+        P_mat: the weights of every matrix multiply in the decoder layers (LoRA's A and B included);
+        2 L d_attn S (S + 1): QK^T and AV over each layer's S (S + 1) / 2 causal pairs; 2 d V C: the LM
+        head on the scored positions only. Generation is counted as this forward over the finished rows
+        (what a KV cache computes). An update (train=True) adds its backward: the gradients to the inputs
+        (the matmuls once more, the attention twice) and to the trainable matrices (P_train):
+            update = 2 forward  +  2 L d_attn S (S + 1)  +  2 P_train S"""
+        L, d_attn, d, V = self.dims
+        S, C = batch.attn.double().sum(1), batch.attn[:, -batch.mask.shape[1]:].double().sum()  # [N], []
+        att = 2 * L * d_attn * (S * (S + 1)).sum()
+        forward = 2 * self.n_mat * S.sum() + att + 2 * d * V * C
+        return float(2 * forward + att + 2 * self.n_train * S.sum() if train else forward)
+
     def score(self, batch, temperature=None):
+        self.flops_done += self.flops(batch, train=torch.is_grad_enabled())
         batch = batch.to(self.device)
         logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
         logp, entropy = self.token_logp(logits, batch.actions, entropy=True, temperature=temperature)
@@ -323,6 +350,7 @@ class HFPolicy(nn.Module):
     @torch.no_grad()
     def ref_logp(self, batch):
         """logp of the sampled tokens under the reference policy (kl_coef > 0)."""
+        self.flops_done += self.flops(batch)
         batch = batch.to(self.device)
         if self.ref is not None:
             return self.token_logp(self.forward_logits(self.ref[0], batch)[0], batch.actions)[0]

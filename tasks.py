@@ -273,7 +273,8 @@ class LLMTask:
         last = batch.mask.shape[1] - 1 - batch.mask.flip(1).argmax(1)  # [N] each episode's last sampled token
         batch.rewards[torch.arange(len(R)), last] = R  # the scalar reward on the last sampled token
         batch.stats = {"accuracy": sum(self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
-                                       for i, r in enumerate(turns)) / len(turns), "gen_tok_s": lengths.sum().item() / gen_s}
+                                       for i, r in enumerate(turns)) / len(turns), "gen_s": gen_s,
+                       "gen_tok_s": lengths.sum().item() / gen_s, "gen_mfu": policy.flops(batch) / gen_s / policy.peak["gen"]}
         if self.cfg.max_turns > 1:
             batch.stats["turns"] = sum(map(len, turns)) / len(turns)  # assistant replies per episode
         return batch

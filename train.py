@@ -24,8 +24,8 @@ from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, 
 from model import HFPolicy, MLPPolicy, check_parity
 from serve import AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Logger, all_reduce_sum, full, held_mb, like, load_checkpoint, masked_mean, rank, save_checkpoint,
-                   seed_all, world)
+from utils import (Logger, Timer, all_reduce_sum, full, held_mb, like, load_checkpoint, masked_mean, rank,
+                   save_checkpoint, seed_all, world)
 
 
 def build(cfg):
@@ -40,9 +40,22 @@ def build(cfg):
     return task, MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
 
 
-def chunks(n, size):
-    """Row indices 0..n-1 in pieces of at most `size` (0 = one piece; none when n = 0)."""
-    return torch.arange(n).split(size or n) if n else []
+def micro_batches(batch, size):
+    """The rows in pieces of at most `size` (0 = one piece), grouped by completion length and trimmed of
+    the columns that are padding in all their rows (Batch.trimmed): a two-token answer is no longer padded
+    to the longest completion of the whole batch. Losses add up over pieces, so the gradient is the same.
+    -> [(row indices, Batch)]"""
+    N, T = batch.mask.shape
+    order = batch.attn[:, -T:].sum(1).argsort(stable=True) if batch.attn is not None else torch.arange(N)
+    return [(idx, batch.rows(idx).trimmed()) for idx in order.split(size or N)] if N else []
+
+
+def unsplit(pieces, outs, shape):
+    """Per-piece [n, t] outputs of micro_batches back into one [N, T] tensor in the batch's row order."""
+    whole = torch.zeros(shape)
+    for (idx, _), x in zip(pieces, outs):
+        whole[idx, :x.shape[1]] = x.float().cpu()
+    return whole
 
 
 def score_old(policy, batch, cfg):
@@ -57,15 +70,16 @@ def score_old(policy, batch, cfg):
     if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and (batch.sampler_logp is None or ablation):
         batch.old_logp = batch.sampler_logp if ablation else None
         return
+    pieces = micro_batches(batch, cfg.micro_batch)
     with torch.no_grad():
-        outs = [policy.score(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]
+        outs = [policy.score(mb) for _, mb in pieces]
         if cfg.kl_coef:
-            batch.ref_logp = torch.cat([policy.ref_logp(batch.rows(i)) for i in chunks(len(batch.mask), cfg.micro_batch)]).cpu()
+            batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], batch.mask.shape)  # [N, T]
         if outs[0]["value"] is not None and batch.final_obs is not None:  # time-limit cuts bootstrap (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
-    batch.old_logp = batch.sampler_logp if ablation else torch.cat([o["logp"] for o in outs]).cpu()  # [N, T]
+    batch.old_logp = batch.sampler_logp if ablation else unsplit(pieces, [o["logp"] for o in outs], batch.mask.shape)
     if outs[0]["value"] is not None:
-        batch.values = torch.cat([o["value"] for o in outs]).cpu() * batch.mask  # [N, T]
+        batch.values = unsplit(pieces, [o["value"] for o in outs], batch.mask.shape) * batch.mask  # [N, T]
     if cfg.kl_in_reward:  # per-token reward r_t - kl_coef * (logp - ref_logp); no KL term in the loss
         batch.rewards = batch.rewards - cfg.kl_coef * (batch.old_logp - batch.ref_logp) * batch.mask
         batch.ref_logp = None
@@ -94,8 +108,7 @@ def update(policy, opt, batch, cfg, max_len):
             if skip_zero:
                 mb = mb.rows((mb.adv != 0).any(1).nonzero()[:, 0])
             total = 0.0
-            for idx in chunks(len(mb.mask), cfg.micro_batch):
-                micro = mb.rows(idx)
+            for _, micro in micro_batches(mb, cfg.micro_batch):
                 out = policy.score(micro)
                 old = micro.old_logp if micro.old_logp is not None else out["logp"].detach()
                 micro = micro.to(out["logp"].device)
@@ -129,6 +142,16 @@ def update(policy, opt, batch, cfg, max_len):
     out = {k: (v if k.endswith("_max") else v / n).item() for k, v in sums.items()}
     return {"loss": sum(losses) / max(len(losses), 1), "grad_norm": sum(norms) / max(len(norms), 1),
             "nonfinite": skipped, **out}
+
+
+def speed(policy, batch, split, llm):
+    """Tokens per second of scoring + update, and for an LLM their model FLOP utilization: the FLOPs the
+    policy counted (model.HFPolicy.flops) over those seconds, over the device's peak (--peak-tflops)."""
+    seconds = split["score_s"] + split["update_s"]
+    out = {"train_tok_s": batch.mask.sum().item() / seconds}
+    if llm:
+        out["train_mfu"], policy.flops_done = policy.flops_done / seconds / policy.peak["train"], 0.0
+    return out
 
 
 def batch_metrics(batch, cfg):
@@ -238,19 +261,23 @@ def main(argv=None):
                     log.say(f"solved at step {step} after {clock():.1f} s")
                 break
             # 1 - rollout (in-process, or pushed by a worker)
+            timer = Timer()
             batch = source.next_batch(step)
+            timer("rollout_s")
             # 2 - advantage, under the weights that sampled the batch
-            t = time.time()
             with source.weights(batch):
                 score_old(policy, batch, cfg)
+            timer("score_s")
             batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
             # 3 - update
             stats = update(policy, opt, batch, cfg, task.max_len)
-            stats["train_tok_s"] = batch.mask.sum().item() / (time.time() - t)
+            timer("update_s")
             # 4 - publish, log, save
             source.publish(step + 1)
+            timer("publish_s")
             done = step + 1
-            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **source.stats()}, done)
+            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **timer.split,
+                     **speed(policy, batch, timer.split, task.llm), **source.stats()}, done)
             if cfg.save_every and done % cfg.save_every == 0:
                 saved = save(done)
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import numpy as np
 
@@ -63,6 +64,19 @@ class Batch:
 
     def to(self, device):
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    def trimmed(self):
+        """The same rows without the columns that are padding in all of them (LLM batches): the prompts'
+        left padding and the completions' right padding. Real tokens keep their positions (position ids
+        count attended tokens), and causal attention never looks right, so every logp is unchanged."""
+        if self.attn is None:
+            return self
+        T = self.mask.shape[1]
+        real = self.attn.bool().any(0)  # [P + T]
+        P = len(real) - T
+        first, t = int(real.int().argmax()), max(int(real.nonzero().max()) + 1 - P, 1)  # first column, columns of T kept
+        return dataclasses.replace(self, **{k: v[:, first:P + t] if k in ("obs", "attn") else v[:, :t]
+                                            for k, v in self.tensors().items() if v.dim() == 2 and v.shape[1] in (T, P + T)})
 
     @property
     def seq_reward(self):  # [N] total reward of each sample
@@ -120,6 +134,47 @@ def fast_bf16(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
     return getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
+
+
+class Timer:
+    """timer(name) records the seconds since the previous call under `name`: a step's phases, in order."""
+
+    def __init__(self):
+        self.last, self.split = time.time(), {}
+
+    def __call__(self, name):
+        now = time.time()
+        self.split[name], self.last = now - self.last, now
+
+
+def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.json")):
+    """The device's matmul FLOP/s in dtype, for MFU: the best of a few square matmuls, grown until one
+    takes ~50 ms (a bf16 matmul emulated on an AVX2 CPU is ~100x slower than fp32), measured once per
+    device, dtype, thread count and torch version, then read from `cache`."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else next(
+        (line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "cpu") \
+        if os.path.exists("/proc/cpuinfo") else "cpu"
+    key = f"{name} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    known = json.load(open(cache)) if os.path.exists(cache) else {}
+    if key not in known:
+        best, n = 0.0, 256
+        while n <= 4096:
+            a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+            for _ in range(3):
+                t = time.perf_counter()
+                (a @ a).sum().item()  # .item() waits for a GPU
+                took = time.perf_counter() - t
+                best = max(best, 2 * n ** 3 / took)
+            if took > 0.05:
+                break
+            n *= 2
+        known[key] = best
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache + ".tmp", "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(cache + ".tmp", cache)
+    return known[key]
 
 
 def seed_all(seed):
@@ -242,7 +297,7 @@ def load_checkpoint(path, opt):
 # them in README: reward and the held-out metric; entropy; approx_kl / clipfrac; length / truncated; grad_norm;
 # and, for async runs, staleness / probe_gap.
 PANELS = (("reward", "eval_"), ("entropy",), ("approx_kl", "clipfrac"), ("length", "truncated"), ("grad_norm",),
-          ("staleness", "probe_gap"))
+          ("staleness", "probe_gap"), ("gen_mfu", "train_mfu"))
 
 
 class Logger:

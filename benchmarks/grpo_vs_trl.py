@@ -9,7 +9,9 @@ other defaults except gradient checkpointing, turned off so that it does not pay
 not need here (pass --trl-grad-ckpt for its default). flatrl samples with HF generate, or with vLLM
 (--generator vllm, the adapter merged into its weights), or both (--generator hf vllm). Per-step times
 are printed as well as medians: as groups start to differ (fewer zero-variance rows skipped) flatrl's
-steps grow, so a median over the first steps flatters it.
+steps grow, so a median over the first steps flatters it. For flatrl, a per-step table splits each step
+(generation, scoring + update, publishing) and sets it against its compute floor: the step's FLOPs
+(model.HFPolicy.flops) at the device's measured matmul peak.
 
     pip install trl && python -c "import model; model.cache_smollm2()"
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm
@@ -79,8 +81,26 @@ def run_flatrl(steps, seed, generator):
         with open(f"{d}/metrics.csv") as f:
             rows = [r for r in csv.DictReader(f) if r["reward"]]
     t = [float(r["time_s"]) for r in rows]
+    col = lambda k: [float(r[k]) for r in rows[1:]]  # noqa: E731  the steps step_s covers
     return {"step_s": [b - a for a, b in zip(t, t[1:])], "reward": [float(r["reward"]) for r in rows],
-            "gen_tok_s": [float(r["gen_tok_s"]) for r in rows], "train_tok_s": [float(r["train_tok_s"]) for r in rows]}
+            **{k: col(k) for k in ("gen_s", "score_s", "update_s", "publish_s", "gen_mfu", "train_mfu",
+                                   "gen_tok_s", "train_tok_s")}}
+
+
+def floor_table(name, runs):
+    """Per step (mean over rounds): where the seconds went, MFU, and the compute floor: the step's FLOPs at
+    the device's peak (gen_mfu x gen_s + train_mfu x (score_s + update_s); publishing computes ~nothing)."""
+    mean = lambda k: [statistics.mean(x) for x in zip(*(r[k] for r in runs))]  # noqa: E731
+    step, gen, score, upd, pub = mean("step_s"), mean("gen_s"), mean("score_s"), mean("update_s"), mean("publish_s")
+    gmfu, tmfu = mean("gen_mfu"), mean("train_mfu")
+    floor = [g * gm + (s + u) * tm for g, gm, s, u, tm in zip(gen, gmfu, score, upd, tmfu)]
+    print(f"\n{name}: | step | s | gen s | score + update s | publish s | gen_mfu | train_mfu | floor s | s / floor |")
+    print("|---" * 9 + "|")
+    for i in range(len(step)):
+        print(f"| {i + 2} | {step[i]:.2f} | {gen[i]:.2f} | {score[i] + upd[i]:.2f} | {pub[i]:.2f} | {gmfu[i]:.1%} | "
+              f"{tmfu[i]:.1%} | {floor[i]:.2f} | {step[i] / floor[i]:.1f}x |")
+    print(f"median: {statistics.median(step):.2f} s/step, floor {statistics.median(floor):.2f} s, gen_mfu "
+          f"{statistics.median(gmfu):.1%}, train_mfu {statistics.median(tmfu):.1%}")
 
 
 def run_trl(steps, seed, ckpt):
@@ -125,6 +145,9 @@ def main():
         if "gen_tok_s" in res[k][0]:
             print(f"{k}: generation {statistics.median(x for run in res[k] for x in run['gen_tok_s']):.0f} tok/s, "
                   f"training {statistics.median(x for run in res[k] for x in run['train_tok_s']):.0f} tok/s")
+    for k in res:
+        if "gen_mfu" in res[k][0]:
+            floor_table(k, res[k])
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def test_two_step_train_per_algo(tiny_llm, tmp_path, digits_task, algo):
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1", "2"] and rows[0]["eval_acc"] != ""
     for col in ("reward", "reward_std", "accuracy", "zero_var_groups", "truncated", "length", "entropy",
-                "ratio", "ratio_max", "clipfrac", "grad_norm", "gen_tok_s", "train_tok_s"):
+                "ratio", "ratio_max", "clipfrac", "grad_norm", "gen_tok_s", "train_tok_s", "gen_s", "rollout_s",
+                "score_s", "update_s", "publish_s", "gen_mfu", "train_mfu"):
         assert rows[1][col] != "", col
     ckpt = load_file(tmp_path / "checkpoint.safetensors")
     lora_b = [v for k, v in ckpt.items() if "lora_B" in k]
@@ -164,6 +165,56 @@ def test_micro_batch_equals_one_shot(tiny_llm, algo, agg):
     micro = updated(policy, batch, dataclasses.replace(cfg, micro_batch=3))
     assert not torch.equal(one, torch.cat([x.detach().flatten() for x in policy.params().values()]))
     assert torch.allclose(one, micro, atol=1e-6, rtol=0)
+
+
+def test_length_grouped_micro_batches_score_the_same_and_compute_less(tiny_llm):
+    cfg = llm_cfg(tiny_llm, max_new_tokens=12, micro_batch=2)
+    policy = HFPolicy(cfg)
+    prompts, tails = [[5, 6, 7], [5, 6, 7, 8, 9], [5, 6], [5, 6, 7, 8]], [[10] * 12, [11, 1], [12] * 7, [13, 14, 1]]
+    batch = policy.to_batch(prompts, tails)  # [4, 5 + 12]: most of it padding
+    pieces = train.micro_batches(batch, 2)
+    assert [idx.tolist() for idx, _ in pieces] == [[1, 3], [2, 0]]  # completions of 2, 3 | 7, 12 tokens
+    assert [tuple(mb.obs.shape) for _, mb in pieces] == [(2, 5 + 3), (2, 3 + 12)]  # columns padded in all rows cut
+    with torch.no_grad():
+        whole = policy.score(batch)["logp"]
+        train.score_old(policy, batch, dataclasses.replace(cfg, epochs=2))  # scored in the two pieces
+    assert torch.allclose(batch.old_logp * batch.mask, whole * batch.mask, atol=1e-5, rtol=0)  # in row order
+
+
+def test_flops_count_the_real_tokens_and_match_torch_flop_counter(tiny_llm):
+    from torch.utils.flop_counter import FlopCounterMode
+    policy = HFPolicy(llm_cfg(tiny_llm, peak_tflops=1.0))
+    L, d_attn, d, V = policy.dims
+    # LoRA r = 4 adds r (d_in + d_out) per matrix: q, o 32 + 32; k, v 32 + 16; gate, up 32 + 64; down 64 + 32
+    assert (L, d_attn, d, V, policy.n_train) == (2, 32, 32, 81, 2 * 4 * (2 * 64 + 2 * 48 + 3 * 96))
+    one, two = policy.to_batch([[5, 6, 7, 8, 9]], [[10, 11, 12, 13]]), policy.to_batch([[5, 6]], [[10, 1]])
+    both = policy.to_batch([[5, 6, 7, 8, 9], [5, 6]], [[10, 11, 12, 13], [10, 1]])
+    assert policy.flops(both) == policy.flops(one) + policy.flops(two)  # padding is not work
+    assert policy.flops(both, train=True) == policy.flops(one, train=True) + policy.flops(two, train=True)
+    with FlopCounterMode(display=False) as fwd, torch.no_grad():
+        policy.score(one)
+    with FlopCounterMode(display=False) as upd:
+        policy.score(one)["logp"].sum().backward()
+    # S = 9 positions, T = 4 scored. The counter sees the matmuls, not the CPU's fused attention, and the LM
+    # head on logits_to_keep = T + 1 positions: ours = its count - 2 d V + attention 2 L d_attn S (S + 1).
+    assert policy.flops(one) == fwd.get_total_flops() - 2 * d * V + 2 * L * d_attn * 9 * 10
+    # The update's formula also counts input gradients for the first layer's projections, which autograd
+    # skips (their input needs none): within 10% on this 2-layer model, less on deeper ones.
+    ratio = policy.flops(one, train=True) / (upd.get_total_flops() - 4 * d * V + 3 * 2 * L * d_attn * 9 * 10)
+    assert 1.0 <= ratio < 1.1
+    assert policy.flops_done == policy.flops(one) + policy.flops(one, train=True)  # score() counts what it runs
+
+
+def test_train_mfu_is_counted_flops_over_seconds_over_peak(tiny_llm, tmp_path):
+    policy = HFPolicy(llm_cfg(tiny_llm, peak_tflops=2.0))
+    assert policy.peak == {"gen": 2e12, "train": 2e12}
+    policy.flops_done = 3e12
+    batch = policy.to_batch([[5, 6]], [[10, 11, 1]])
+    out = train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True)
+    assert out == {"train_tok_s": 3 / 1.5, "train_mfu": 3e12 / 1.5 / 2e12} and policy.flops_done == 0.0
+    from utils import peak_flops
+    first = peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json"))  # measured, then read back
+    assert first > 1e9 and peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json")) == first
 
 
 def _rank_main(r, port, cfg, batch_file, out_file):
