@@ -160,7 +160,7 @@ def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.jso
     if key not in known:
         best, n = 0.0, 256
         while n <= 4096:
-            a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+            a = torch.ones(n, n, device=device, dtype=getattr(torch, dtype))  # not randn: the run's RNG stays untouched
             for _ in range(3):
                 t = time.perf_counter()
                 (a @ a).sum().item()  # .item() waits for a GPU
@@ -171,9 +171,9 @@ def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.jso
             n *= 2
         known[key] = best
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache + ".tmp", "w") as f:
+        with open(f"{cache}.{os.getpid()}", "w") as f:  # one temporary file per process: torchrun ranks probe at once
             json.dump(known, f, indent=1)
-        os.replace(cache + ".tmp", cache)
+        os.replace(f"{cache}.{os.getpid()}", cache)
     return known[key]
 
 

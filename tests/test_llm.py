@@ -213,8 +213,10 @@ def test_train_mfu_is_counted_flops_over_seconds_over_peak(tiny_llm, tmp_path):
     out = train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True)
     assert out == {"train_tok_s": 3 / 1.5, "train_mfu": 3e12 / 1.5 / 2e12} and policy.flops_done == 0.0
     from utils import peak_flops
+    rng = torch.get_rng_state()
     first = peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json"))  # measured, then read back
     assert first > 1e9 and peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json")) == first
+    assert torch.equal(torch.get_rng_state(), rng)  # measuring must not change what a seeded run samples
 
 
 def _rank_main(r, port, cfg, batch_file, out_file):
