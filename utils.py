@@ -152,11 +152,16 @@ def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.jso
     takes ~50 ms (a bf16 matmul emulated on an AVX2 CPU is ~100x slower than fp32), measured once per
     device, dtype, thread count and torch version, then read from `cache`."""
     device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else next(
-        (line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "cpu") \
-        if os.path.exists("/proc/cpuinfo") else "cpu"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:  # the CPU's model name where Linux gives it
+        with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
     key = f"{name} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-    known = json.load(open(cache)) if os.path.exists(cache) else {}
+    known = {}
+    if os.path.exists(cache):
+        with open(cache) as f:
+            known = json.load(f)
     if key not in known:
         best, n = 0.0, 256
         while n <= 4096:
@@ -295,7 +300,7 @@ def load_checkpoint(path, opt):
 
 # What curves.png shows, one panel each (the first key on the left axis, the rest on the right), with how to read
 # them in README: reward and the held-out metric; entropy; approx_kl / clipfrac; length / truncated; grad_norm;
-# and, for async runs, staleness / probe_gap.
+# for async runs, staleness / probe_gap; for LLM runs, gen_mfu / train_mfu.
 PANELS = (("reward", "eval_"), ("entropy",), ("approx_kl", "clipfrac"), ("length", "truncated"), ("grad_norm",),
           ("staleness", "probe_gap"), ("gen_mfu", "train_mfu"))
 
