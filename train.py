@@ -87,26 +87,32 @@ def score_old(policy, batch, cfg):
 
 def can_skip_zero(cfg):
     """Rows with A = 0 on every token (zero-variance groups) add exactly 0 to the loss and its gradient
-    when nothing else is in the loss: no KL, entropy or value term. Then their forward and backward
-    are skipped; the loss weights were computed over all rows, so the gradient is unchanged. Not under
-    FSDP: every forward there is a collective, so all ranks must run the same number of them."""
-    return not ((cfg.kl_coef and not cfg.kl_in_reward) or cfg.ent_coef or cfg.algo == "ppo" or cfg.fsdp)
+    when nothing else is in the loss: no KL, entropy or value term. Then their forward and backward are
+    skipped (not under FSDP: every forward there is a collective, so all ranks run the same ones), and a
+    minibatch with no other row on any rank takes no optimizer step, in every layout: Adam would move
+    the weights on its momentum alone. The loss weights span all rows, so the gradient is unchanged."""
+    return not ((cfg.kl_coef and not cfg.kl_in_reward) or cfg.ent_coef or cfg.algo == "ppo")
 
 
 def update(policy, opt, batch, cfg, max_len):
     """epochs x minibatches optimizer steps. Each minibatch is split into micro-batches whose losses add
     up to the minibatch loss (loss_weights uses the minibatch's global denominators), so micro_batch
-    never changes the gradient. A non-finite loss or gradient skips that optimizer step untouched."""
+    never changes the gradient. Every rank runs the same passes and takes the same decisions: a
+    non-finite loss or gradient on any rank skips that optimizer step on all of them (no rank leaves
+    early: under FSDP the others would wait in backward's collectives for it)."""
     sums, losses, skipped, norms = {}, [], 0, []
     params = [p for p in policy.parameters() if p.requires_grad]
     skip_zero = can_skip_zero(cfg)
     for _ in range(cfg.epochs):
         order = torch.randperm(len(batch.mask)) if cfg.minibatches > 1 else torch.arange(len(batch.mask))
-        for rows in order.chunk(cfg.minibatches):
+        for rows in order.tensor_split(cfg.minibatches):  # exactly `minibatches` on every rank (chunk can give fewer)
             mb = batch.rows(rows)
             mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators
             if skip_zero:
-                mb = mb.rows((mb.adv != 0).any(1).nonzero()[:, 0])
+                keep = (mb.adv != 0).any(1)  # [n]
+                if all_reduce_sum(keep.sum()) == 0:  # nothing to learn on any rank: no step anywhere
+                    continue
+                mb = mb if cfg.fsdp else mb.rows(keep.nonzero()[:, 0])
             total = 0.0
             for _, micro in micro_batches(mb, cfg.micro_batch):
                 out = policy.score(micro)
@@ -118,9 +124,7 @@ def update(policy, opt, batch, cfg, max_len):
                     loss = loss + cfg.vf_coef * value_loss(out["value"], micro.values, micro.returns,
                                                            micro.weight, cfg)
                 total += loss.item()
-                if not math.isfinite(total):
-                    break
-                loss.backward()
+                loss.backward()  # even when not finite: the step is skipped below, on every rank alike
                 for k, v in stats.items():
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
             if world() > 1 and not cfg.fsdp:  # loss weights carry global denominators: gradients are SUMMED
@@ -140,18 +144,18 @@ def update(policy, opt, batch, cfg, max_len):
             opt.zero_grad(set_to_none=True)
     n = sums.pop("tokens", torch.tensor(1.0)).clamp(min=1)
     out = {k: (v if k.endswith("_max") else v / n).item() for k, v in sums.items()}
-    return {"loss": sum(losses) / max(len(losses), 1), "grad_norm": sum(norms) / max(len(norms), 1),
-            "nonfinite": skipped, **out}
+    trained = {"loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms)} if losses else {}
+    return {**trained, "nonfinite": skipped, **out}  # no optimizer step: no loss, no grad_norm (a gap, not a 0)
 
 
-def speed(policy, batch, split, llm):
+def speed(policy, batch, split, llm, trained):
     """Tokens per second of scoring + update, and for an LLM their model FLOP utilization: the FLOPs the
-    policy counted (model.HFPolicy.flops) over those seconds, over the device's peak (--peak-tflops)."""
-    seconds = split["score_s"] + split["update_s"]
-    out = {"train_tok_s": batch.mask.sum().item() / seconds}
-    if llm:
-        out["train_mfu"], policy.flops_done = policy.flops_done / seconds / policy.peak["train"], 0.0
-    return out
+    policy counted (model.HFPolicy.flops) over those seconds, over the device's peak (--peak-tflops).
+    A step that took no optimizer step reports neither (a gap in the curves, not a made-up number)."""
+    seconds, flops, policy.flops_done = split["score_s"] + split["update_s"], getattr(policy, "flops_done", 0.0), 0.0
+    if not trained:
+        return {}
+    return {"train_tok_s": batch.mask.sum().item() / seconds, **({"train_mfu": flops / seconds / policy.peak["train"]} if llm else {})}
 
 
 def batch_metrics(batch, cfg):
@@ -185,7 +189,7 @@ def setup(cfg):
     os.makedirs(cfg.out, exist_ok=True)
     if rank() == 0:
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
-    seed_all(cfg.seed + rank())  # ranks sample different completions of their different prompts
+    seed_all(cfg.seed)  # one seed for every rank until the policy is built: one initial model (main reseeds)
     if cfg.threads:  # two processes each running the default thread count on one CPU slow each other ~10x
         torch.set_num_threads(cfg.threads)
 
@@ -221,6 +225,8 @@ def main(argv=None):
         raise SystemExit("config error: --ask answers with a trained LLM run: python train.py --resume RUN_DIR --ask '...'")
     setup(cfg)
     task, policy = build(cfg)
+    if rank() > 0:  # from here on ranks sample differently; rank 0 goes on exactly as one process would
+        seed_all(cfg.seed + rank())
     if cfg.check_parity:
         if not task.llm:
             raise SystemExit("config error: --check-parity compares LLM samplers; pick an LLM task")
@@ -277,7 +283,7 @@ def main(argv=None):
             timer("publish_s")
             done = step + 1
             log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **timer.split,
-                     **speed(policy, batch, timer.split, task.llm), **source.stats()}, done)
+                     **speed(policy, batch, timer.split, task.llm, "loss" in stats), **source.stats()}, done)
             if cfg.save_every and done % cfg.save_every == 0:
                 saved = save(done)
     except KeyboardInterrupt:

@@ -130,7 +130,10 @@ def gae(rewards, values, mask, gamma, lam, last_value=None):
 
 def fast_bf16(device):
     """bf16 matmuls are fast on a CUDA GPU that supports them and on a CPU with AVX512-BF16 or AMX; on
-    other CPUs they are emulated (measured on an AVX2 CPU: 1.3 GFLOP/s against 175 in fp32)."""
+    other CPUs they are emulated (measured on an AVX2 CPU: 1.3 GFLOP/s against 175 in fp32).
+    FLATRL_FAST_BF16=1 / 0 forces the answer, so both branches can be tested on any machine."""
+    if os.environ.get("FLATRL_FAST_BF16") in ("0", "1"):
+        return os.environ["FLATRL_FAST_BF16"] == "1"
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
     return getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
@@ -256,6 +259,11 @@ def held_mb(module):
 
 # --- checkpoints: safetensors + JSON, no pickle -------------------------------------------------
 
+def rng_states():
+    """This rank's random generators: the CPU's, and its GPU's when the run uses one (sampling runs there)."""
+    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {})}
+
+
 def save_checkpoint(path, params, opt, meta):
     """params: name -> tensor; opt: a torch optimizer; meta: JSON-able. Every rank calls it: FSDP shards are
     gathered whole, and each rank's RNG state is kept ([world, S]); rank 0 writes, to a temporary file that
@@ -266,8 +274,8 @@ def save_checkpoint(path, params, opt, meta):
     tensors = {f"model.{k}": v for k, v in params.items()}
     for i, s in state["state"].items():
         tensors.update({f"opt.{i}.{k}": full(v).cpu().contiguous() for k, v in s.items()})
-    rng = torch.get_rng_state()
-    tensors["rng.torch"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
+    for name, rng in rng_states().items():  # [world, S] each
+        tensors[f"rng.{name}"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
     if rank() == 0:
         meta = {**meta, "opt_groups": state["param_groups"], "rng_python": random.getstate()}
         save_file(tensors, path + ".tmp", metadata={"flatrl": json.dumps(meta)})
@@ -277,7 +285,8 @@ def save_checkpoint(path, params, opt, meta):
 
 def load_checkpoint(path, opt):
     """-> (params name -> whole tensor, meta). Every rank reads the file (a shared filesystem across nodes) and
-    restores the optimizer, laid out like its parameters (shards under FSDP), and its own RNG state."""
+    restores the optimizer, laid out like its parameters (shards under FSDP), and its own RNG states (resumed on
+    another number of ranks, each keeps the seed it was given)."""
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
@@ -288,9 +297,10 @@ def load_checkpoint(path, opt):
             _, i, name = k.split(".", 2)
             state.setdefault(int(i), {})[name] = like(v, ordered[int(i)]) if v.dim() else v
     opt.load_state_dict({"state": state, "param_groups": meta["opt_groups"]})
-    rng = tensors["rng.torch"].view(-1, tensors["rng.torch"].shape[-1])  # [world, S]
-    if len(rng) == world():  # resumed on as many ranks: each continues its own stream (else: seeded afresh)
-        torch.set_rng_state(rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
+    for name, restore in (("torch", torch.set_rng_state), ("cuda", torch.cuda.set_rng_state)):
+        rng = tensors.get(f"rng.{name}")  # [world, S]; none for a GPU that the saving run did not use
+        if rng is not None and name in rng_states() and len(rng.view(-1, rng.shape[-1])) == world():
+            restore(rng.view(-1, rng.shape[-1])[rank()].clone())  # a copy: set_rng_state reads from the storage start
     version, internal, gauss = meta["rng_python"]
     random.setstate((version, tuple(internal), gauss))
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
@@ -363,6 +373,7 @@ class Logger:
         for _, close in self.trackers:
             close()
         from matplotlib.figure import Figure  # imported here, and without pyplot: a CartPole run ends sooner
+        from matplotlib.ticker import MaxNLocator
         wanted = lambda k, p: k == p or p.endswith("_") and k.startswith(p)  # noqa: E731  "eval_": every eval metric
         panels = [p for p in ([k for p in group for k in self.fields or () if wanted(k, p)] for group in PANELS) if p]
         if not panels:
@@ -377,15 +388,22 @@ class Logger:
             ax.remove()
         for ax, keys in zip(axes, panels):
             lines, right = [], None
+            if keys == ["approx_kl", "clipfrac"] and not any(r.get(k) for r in self.rows for k in keys):
+                ax.text(0.5, 0.5, "approx_kl, clipfrac: 0 by construction\nwith one update per batch (ratio = 1)",
+                        transform=ax.transAxes, ha="center", va="center", fontsize=8)
+                ax.set_xlim(steps[0], steps[-1])
+                keys = []
             for i, key in enumerate(keys):  # a second kind of quantity gets the right-hand axis
                 on = ax if i == 0 or key.startswith("eval_") else right or ax.twinx()
                 right = on if on is not ax else right
-                pts = [(r["step"], r[key]) for r in self.rows if key in r]
+                pts = [(r["step"], r.get(key, np.nan)) for r in self.rows  # a step that trained nothing: a gap
+                       if key in r or not key.startswith("eval_") and "reward" in r]  # (eval rows come every few steps)
                 lines += on.plot(*zip(*pts), label=key, color=f"C{i}", marker="." if len(pts) < 30 else None)
             for on in (ax, right):
                 if on is not None:
                     on.set_ylabel(" / ".join(line.get_label() for line in lines if line.axes is on))
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
             if len(lines) > 1:
                 ax.legend(handles=lines, fontsize=7)
             ticks = [s for s in ax.get_xticks() if steps[0] <= s <= steps[-1]]  # the step ticks, labelled on top

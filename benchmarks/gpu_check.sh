@@ -2,7 +2,7 @@
 # For a machine with an NVIDIA GPU and the real vllm (pip install -e ".[vllm]"): the vLLM / trainer
 # parity check in fp32 with the adapter merged into vLLM's weights (--vllm-lora merge, the default) and
 # with vLLM's LoRA kernels (--vllm-lora adapter), then a short async GRPO run with one vLLM worker
-# (merged) beside the trainer on the same GPU. Prints the parity lines, the trainer's last metrics and
+# (merged) beside the trainer on the same GPU; a GPU run resumed halfway against one never stopped. Prints the parity lines, the trainer's last metrics and
 # the worker's publish time (merge + in-place reload + cache reset). The build machines have no GPU: the
 # figures in README.md are from CPU runs unless stated otherwise.
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct STEPS=20 bash benchmarks/gpu_check.sh
@@ -27,6 +27,15 @@ print("eval_acc:", [(r["step"], r["eval_acc"]) for r in rows if r.get("eval_acc"
 print("median s/step:", sorted(steps)[len(steps) // 2], " last logp_gap:", rows[-2].get("logp_gap"))
 worker = [float(r["publish_s"]) for r in csv.DictReader(open(f"{sys.argv[1]}-worker/metrics.csv"))]
 print("worker publish s (median):", sorted(worker)[len(worker) // 2])
+PY
+# Resume on a GPU samples as the uninterrupted run does: checkpoints keep the GPU's RNG state too.
+R=(--config configs/arith_grpo_cpu.yaml --model "$MODEL" --device cuda --eval-every 0 --batch-size 8 --save-every 0)
+python train.py "${R[@]}" --steps 4 --out "$OUT-whole" >/dev/null
+python train.py "${R[@]}" --steps 2 --out "$OUT-half" >/dev/null && python train.py --resume "$OUT-half" --steps 4 >/dev/null
+python - "$OUT" <<'PY'
+import csv, sys
+r = [[x["reward"] for x in csv.DictReader(open(f"{sys.argv[1]}-{d}/metrics.csv")) if x.get("reward")] for d in ("whole", "half")]
+print("GPU resume, rewards of steps 0-3:", r[0], "resumed:", r[1], "same:", r[0] == r[1])
 PY
 # FSDP over every GPU of the machine (benchmarks/scale.py's GPU variant): parameters per rank, s/step.
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")

@@ -81,7 +81,7 @@ def run_flatrl(steps, seed, generator):
         with open(f"{d}/metrics.csv") as f:
             rows = [r for r in csv.DictReader(f) if r["reward"]]
     t = [float(r["time_s"]) for r in rows]
-    col = lambda k: [float(r[k]) for r in rows[1:]]  # noqa: E731  the steps step_s covers
+    col = lambda k: [float(r[k] or 0) for r in rows[1:]]  # noqa: E731  the steps step_s covers (blank: trained nothing)
     return {"step_s": [b - a for a, b in zip(t, t[1:])], "reward": [float(r["reward"]) for r in rows],
             **{k: col(k) for k in ("gen_s", "score_s", "update_s", "publish_s", "gen_mfu", "train_mfu",
                                    "gen_tok_s", "train_tok_s")}}
@@ -144,7 +144,7 @@ def main():
         print(f"{k} reward by step:", [round(statistics.mean(s), 3) for s in zip(*(run["reward"] for run in res[k]))])
         if "gen_tok_s" in res[k][0]:
             print(f"{k}: generation {statistics.median(x for run in res[k] for x in run['gen_tok_s']):.0f} tok/s, "
-                  f"training {statistics.median(x for run in res[k] for x in run['train_tok_s']):.0f} tok/s")
+                  f"training {statistics.median(x for run in res[k] for x in run['train_tok_s'] if x):.0f} tok/s")
     for k in res:
         if "gen_mfu" in res[k][0]:
             floor_table(k, res[k])

@@ -22,9 +22,9 @@ from config import Config
 from model import HFPolicy, pack
 from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
                    numeric_match, overlong_penalty)
-from utils import Batch
+from utils import Batch, fast_bf16
 
-FAST_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+FAST_BF16 = fast_bf16("cpu")  # FLATRL_FAST_BF16=0 / 1 forces it
 
 
 def llm_cfg(path, **kw):
@@ -210,8 +210,11 @@ def test_train_mfu_is_counted_flops_over_seconds_over_peak(tiny_llm, tmp_path):
     assert policy.peak == {"gen": 2e12, "train": 2e12}
     policy.flops_done = 3e12
     batch = policy.to_batch([[5, 6]], [[10, 11, 1]])
-    out = train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True)
+    out = train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True, trained=True)
     assert out == {"train_tok_s": 3 / 1.5, "train_mfu": 3e12 / 1.5 / 2e12} and policy.flops_done == 0.0
+    policy.flops_done = 3e12  # a step that took no optimizer step: blanks, and its FLOPs do not leak into the next
+    assert train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True, trained=False) == {}
+    assert policy.flops_done == 0.0
     from utils import peak_flops
     rng = torch.get_rng_state()
     first = peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json"))  # measured, then read back

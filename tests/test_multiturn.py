@@ -46,12 +46,34 @@ def test_an_episode_is_one_sequence_of_replies_and_environment_tokens(tiny_llm):
         for (trained, ids), m in zip(runs, chat):
             if m["role"] == "assistant":  # the reply's ids as sampled
                 assert trained == 1 and policy.tok.decode(ids, skip_special_tokens=True) == m["content"]
+                last = ids[-1]
             else:  # the message as the chat template's ids, never trained on
-                assert trained == 0 and ids == policy.env_ids(m["content"])
+                assert trained == 0 and ids == policy.env_ids(m["content"], last)
     turns = [sum(m["role"] == "assistant" for m in c) for c in chats]
     assert 1 in turns and 3 in turns  # odd questions end after one reply, the rest run to max_turns
     assert [m["content"] for m in chats[turns.index(3)] if m["role"] == "user"] == ["Turn 1 was wrong. Again.",
                                                                                   "Turn 2 was wrong. Again."]
+
+
+def test_a_reply_that_stops_on_another_stop_id_still_follows_the_template(tiny_llm):
+    # The tiny model's generation config stops on x, y, z, X, Y, Z besides the template's <eos> (conftest.STOPS),
+    # as Qwen2.5 and Llama-3 instruct models have several stop ids.
+    policy, task, batch, chats = episodes(tiny_llm, batch_size=32)
+    eos, specials = policy.tok.eos_token_id, set(policy.tok.all_special_ids)
+    P, checked, other_stop = batch.obs.shape[1] - batch.mask.shape[1], 0, 0
+    for i, chat in enumerate(chats):
+        q = task.train_problems(0)[i // task.cfg.group_size][0]
+        ids = batch.obs[i][batch.attn[i] > 0].tolist()
+        sampled = [t for t, m in zip(batch.obs[i, P:].tolist(), batch.mask[i].tolist()) if m]
+        if len(chat) < 3 or specials & set(sampled) - {eos}:  # one reply, or a special token that decode() drops
+            continue
+        text = policy.tok.apply_chat_template([{"role": "user", "content": task.build_prompt(q)}] + chat[:-1],
+                                              tokenize=False, add_generation_prompt=True)
+        expected = policy.tok(text, add_special_tokens=False)["input_ids"]
+        assert ids[:len(expected)] == expected  # every turn before the last: the template's own rendering
+        checked += 1
+        other_stop += any(m["role"] == "assistant" and m["content"][-1:] in "xyzXYZ" for m in chat[:-1])
+    assert checked >= 3 and other_stop >= 1  # some earlier reply ended on x, y or z: the case this is about
 
 
 def test_every_turn_extends_the_previous_ids_exactly(tiny_llm, monkeypatch):
@@ -161,7 +183,7 @@ def test_a_template_that_rewrites_history_is_refused(tiny_llm):
     policy.tok.chat_template = ("{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}<eos>"
                                 "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")  # re-renders the last turn
     with pytest.raises(SystemExit, match=r"multi-turn needs a chat template .*\(--max-turns 1 works with it\)"):
-        policy.env_ids("again")
+        policy.env_ids("again", policy.tok.eos_token_id)
 
 
 def test_readme_multi_turn_example(tiny_llm, monkeypatch):

@@ -2,6 +2,7 @@
 commands (two torchrun "nodes" on loopback), and checkpoints that a kill -9 cannot lose."""
 import csv
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from config import Config
 from model import HFPolicy, MLPPolicy
 from tasks import GymTask
 from test_llm import llm_cfg, shared_batch
-from test_serve import ROOT, finish, free_port, rows, spawn
+from test_serve import ROOT, finish, free_port, output, rows, spawn
 from utils import Batch, Logger, full
 
 
@@ -69,11 +70,9 @@ def test_fsdp_two_ranks_equal_one_process(tiny_llm, tmp_path, lora_r):
           f"{frozen / max(frozen_all, 1):.3f} of the frozen parameter bytes")
 
 
-def torchrun(*args, nproc=2, env=None):
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "train.py", *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+def torchrun(*args, nproc=2, env=None, script="train.py"):
+    return spawn(env=env, cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args])
 
 
 def test_fsdp_checkpoint_resume_is_exact_and_the_adapter_loads_with_peft(tiny_llm, tmp_path):
@@ -137,11 +136,9 @@ def test_the_cluster_recipe_runs_two_trainer_nodes_and_a_worker(tmp_path):
     env = {**os.environ, "HEAD": "127.0.0.1", "BIND": "127.0.0.1", "PORT": str(free_port()), "NNODES": "2",
            "RDZV_PORT": str(free_port()), "CONFIG": "configs/cartpole_grpo.yaml", "FLATRL_TOKEN": "s3cret"}
     flags = ["--steps", "6", "--no-stop-when-solved", "--eval-every", "0", "--connect-timeout", "60"]
-    nodes = [subprocess.Popen(["bash", launch, *flags, "--out", str(tmp_path / "t")], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env={**env, "ROLE": "trainer", "NODE_RANK": str(i)})
+    nodes = [spawn(cmd=["bash", launch, *flags, "--out", str(tmp_path / "t")], env={**env, "ROLE": "trainer", "NODE_RANK": str(i)})
              for i in range(2)]
-    worker = subprocess.Popen(["bash", launch, *flags, "--out", str(tmp_path / "w")], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env={**env, "ROLE": "rollout"})
+    worker = spawn(cmd=["bash", launch, *flags, "--out", str(tmp_path / "w")], env={**env, "ROLE": "rollout"})
     outs = [finish(p) for p in nodes]
     assert "training finished" in finish(worker)
     assert len(rows(tmp_path / "t")) == 6 and "trainer listening on http://127.0.0.1" in outs[0]
@@ -151,7 +148,7 @@ def test_an_fsdp_async_trainer_and_a_worker(tiny_llm, tmp_path):
     port = free_port()
     common = ["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--eval-every", "0", "--gen-dtype", "float32",
-              "--connect-timeout", "60"]
+              "--no-bf16", "--connect-timeout", "60"]  # fp32 on both sides, whatever the CPU
     trainer = torchrun(*common, "--fsdp", "--role", "trainer", "--port", str(port), "--steps", "3",
                        "--out", str(tmp_path / "t"))
     worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
@@ -167,7 +164,7 @@ def test_an_fsdp_async_trainer_and_a_worker(tiny_llm, tmp_path):
 def wait_rows(run, n, proc, timeout=120):
     end = time.time() + timeout
     while time.time() < end:
-        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        assert proc.poll() is None, output(proc)[-2000:]
         if os.path.exists(f"{run}/metrics.csv") and len(list(csv.DictReader(open(f"{run}/metrics.csv")))) >= n:
             return
         time.sleep(0.1)
@@ -220,3 +217,144 @@ def test_resume_with_flags_that_change_the_model_is_a_one_line_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert run.stderr.strip().startswith("config error: --resume") and "does not fit this policy" in run.stderr
+
+
+# --- data parallelism trains one model: same start, same decisions, same steps ------------------------------
+
+RANKS_SCRIPT = """
+import os, sys
+sys.path.insert(0, os.getcwd())  # run from the repository, as train.py is
+import json, torch
+import tasks, train
+from utils import all_gather, full, rank
+
+class Digits(tasks.Arith):  # a reward a random tiny model earns sometimes: groups vary, so there is a gradient
+    rewards = [(1.0, lambda p, c, a: sum(ch.isdigit() for ch in c) / 8)]
+tasks.TASKS["digits"] = Digits
+diffs = {}
+
+def record(name, policy):  # the largest difference between the two ranks' whole trainable weights
+    mine = torch.cat([full(p).detach().flatten() for p in policy.params().values()])
+    a, b = all_gather(mine)
+    diffs[name] = (a - b).abs().max().item()
+
+build = train.build
+def recording_build(cfg):
+    task, policy = build(cfg)
+    record("built", policy)
+    return task, policy
+train.build = recording_build
+if os.environ.get("NAN_AT") and int(os.environ["RANK"]) == 1:  # rank 1 alone sees NaN losses in this step's update
+    loss_fn, update, steps = train.pg_loss, train.update, []
+    def counting_update(*args, **kw):
+        steps.append(1)
+        return update(*args, **kw)
+    def poisoned(*args, **kw):
+        loss, stats = loss_fn(*args, **kw)
+        return (loss * float("nan") if len(steps) - 1 == int(os.environ["NAN_AT"]) else loss), stats
+    train.pg_loss, train.update = poisoned, counting_update
+policy = train.main(sys.argv[1:])
+record("trained", policy)
+if rank() == 0:
+    json.dump(diffs, open(os.path.join(sys.argv[sys.argv.index("--out") + 1], "diffs.json"), "w"))
+"""
+
+
+def ranks_run(tmp_path, name, *args, env=None, timeout=240):
+    """train.main under torchrun, 2 ranks, with no seeding by the test. -> (metrics rows, rank differences)"""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    out = tmp_path / name
+    finish(torchrun(*args, "--out", str(out), script=str(script), env=env), timeout=timeout)
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f)), json.load(open(out / "diffs.json"))
+
+
+def test_data_parallel_cartpole_ranks_hold_one_model(tmp_path):
+    _, diffs = ranks_run(tmp_path, "dp", "--task", "cartpole", "--steps", "3", "--batch-size", "8",
+                         "--no-stop-when-solved")
+    assert diffs == {"built": 0.0, "trained": 0.0}  # bitwise: one initial model, one update applied to it
+
+
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_dp_and_fsdp_take_the_same_steps_and_skip_a_nan_together(tmp_path, tiny_llm, lora_r):
+    common = ["--task", "digits", "--model", tiny_llm, "--algo", "grpo", "--steps", "3", "--batch-size", "8",
+              "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", lora_r, "--lr", "0.01",
+              "--eval-every", "0", "--gen-dtype", "float32", "--no-bf16", "--save-every", "0"]  # fp32 everywhere
+    nan = {"NAN_AT": "2"}  # rank 1's losses at step 2 are NaN; rank 0 never sees one
+    t = time.time()
+    dp, dp_diffs = ranks_run(tmp_path, "dp", *common, env=nan)
+    fsdp, _ = ranks_run(tmp_path, "fsdp", *common, "--fsdp", env=nan)
+    assert time.time() - t < 200  # neither hung in a collective that one rank skipped
+    assert dp_diffs == {"built": 0.0, "trained": 0.0}  # LoRA's A starts random: the same on both ranks
+    skipped = [r["step"] for r in dp if r.get("nonfinite") == "1"]
+    assert skipped == ["2"] == [r["step"] for r in fsdp if r.get("nonfinite") == "1"]  # both ranks skipped it
+    compared = 0
+    for a, b in zip(dp, fsdp):
+        if a.get("reward") and (a["reward"], a["length"]) == (b["reward"], b["length"]):  # the same rollouts
+            assert (a.get("loss", ""), b.get("loss", "")) == ("", "") or float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-5)
+            if a.get("grad_norm"):
+                assert float(a["grad_norm"]) == pytest.approx(float(b["grad_norm"]), rel=1e-5)
+                compared += 1
+    assert compared >= 1
+
+
+def _layout_rank(r, port, cfg, batch_file, out_file):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)
+    batch = Batch(**load_file(batch_file))
+    params = two_updates(policy, batch.rows(torch.nonzero(batch.group % 2 == r)[:, 0]), cfg)
+    if r == 0:
+        save_file({"params": params}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def two_updates(policy, batch, cfg):
+    """Adam: a step on the batch, then one on the same rows with every advantage 0. -> the whole weights"""
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=0.01)
+    for scale in (1.0, 0.0):
+        batch.adv = ADVANTAGES["grpo"](batch, cfg)[0] * scale
+        train.update(policy, opt, batch, cfg, cfg.max_new_tokens)
+    return flat(policy)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_a_minibatch_with_nothing_to_learn_steps_alike_in_every_layout(tiny_llm, tmp_path, fsdp):
+    cfg = llm_cfg(tiny_llm)
+    policy, batch = shared_batch(cfg, tmp_path / "batch.safetensors")
+    one = two_updates(policy, batch, cfg)
+    mp.spawn(_layout_rank, args=(free_port(), dataclasses.replace(cfg, fsdp=fsdp), str(tmp_path / "batch.safetensors"),
+                                 str(tmp_path / "out.safetensors")), nprocs=2)
+    assert torch.allclose(load_file(tmp_path / "out.safetensors")["params"], one, atol=1e-6, rtol=0)  # no momentum step
+
+
+def _count_rank(r, port, cfg, batch_file, out_file):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    batch = Batch(**load_file(batch_file))
+    n = optimizer_steps(batch.rows(torch.arange(r * 6, r * 6 + 6)), cfg)
+    if r == 0:
+        save_file({"steps": torch.tensor(n)}, out_file)
+    dist.destroy_process_group()
+
+
+def optimizer_steps(batch, cfg):
+    policy = MLPPolicy(4, 2, 16)
+    opt, calls = torch.optim.SGD(policy.parameters(), lr=0.1), []
+    step = opt.step
+    opt.step = lambda: calls.append(1) or step()
+    train.update(policy, opt, batch, cfg, 500)
+    return len(calls)
+
+
+def test_minibatches_are_counted_over_the_whole_batch(tmp_path):
+    cfg = Config(batch_size=12, minibatches=4, epochs=2).validate()
+    torch.manual_seed(0)
+    task = GymTask(cfg)
+    batch = task.rollout(MLPPolicy(task.obs_dim, task.n_actions, 16), 0)
+    batch.adv = batch.rewards.clone()
+    save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
+    mp.spawn(_count_rank, args=(free_port(), cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")),
+             nprocs=2)
+    assert optimizer_steps(batch, cfg) == load_file(tmp_path / "out.safetensors")["steps"].item() == 2 * 4

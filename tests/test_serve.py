@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -32,9 +33,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn(*args, env=None):
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+def spawn(*args, env=None, cmd=None):
+    """train.py (or cmd) in the background, its output in a file: a pipe that nobody reads while the test waits
+    on another process fills up and blocks the child for good. output(proc) reads it."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd or [sys.executable, "train.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, **(env or {})})
+    proc.log = log
+    return proc
+
+
+def output(proc, timeout=180):
+    proc.wait(timeout)
+    proc.log.seek(0)
+    return proc.log.read()
 
 
 def health(port):
@@ -55,7 +67,7 @@ def wait_for(cond, timeout=120):
 
 
 def finish(proc, timeout=180):
-    out, _ = proc.communicate(timeout=timeout)
+    out = output(proc, timeout)
     assert proc.returncode == 0, out[-3000:]
     return out
 
@@ -126,15 +138,15 @@ def test_worker_with_a_different_config_exits_naming_the_field(tmp_path):
     wait_for(lambda: health(port))
     bad = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--batch-size", "8",
                 "--out", str(tmp_path / "w"))
-    out, _ = bad.communicate(timeout=60)
+    out = output(bad, 60)
     assert bad.returncode != 0 and "config mismatch on 'batch_size'" in out
     good = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "g"))
     wait_for(lambda: health(port)["accepted"] >= 1)
     good.send_signal(signal.SIGINT)  # Ctrl-C on a worker: a clean exit
-    out, _ = good.communicate(timeout=60)
+    out = output(good, 60)
     assert good.returncode == 0 and "worker stopped" in out
     trainer.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop with a final checkpoint
-    out, _ = trainer.communicate(timeout=60)
+    out = output(trainer, 60)
     assert trainer.returncode == 0 and "interrupted after" in out
     assert load_ckpt_meta(tmp_path / "t")["step"] == int(out.split("interrupted after ")[1].split()[0])
 
@@ -334,7 +346,7 @@ def test_llm_worker_runs_multi_turn_episodes(tiny_llm, tmp_path):
     port = free_port()
     common = ["--task", "arith", "--model", tiny_llm, "--algo", "rloo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "24", "--max-turns", "3", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01",
-              "--eval-every", "0", "--gen-dtype", "float32", "--connect-timeout", "60"]
+              "--eval-every", "0", "--gen-dtype", "float32", "--no-bf16", "--connect-timeout", "60"]  # fp32 on both sides
     trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
     worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
     finish(trainer)

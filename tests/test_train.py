@@ -8,11 +8,14 @@ import re
 import subprocess
 import sys
 
+import gymnasium as gym
 import pytest
 import torch
 from safetensors import safe_open
 
+import tasks
 import train
+import utils
 from algos import ADVANTAGES
 from config import Config
 from model import MLPPolicy
@@ -95,6 +98,68 @@ def test_nonfinite_loss_skips_the_update():
     stats = train.update(policy, torch.optim.Adam(policy.parameters(), lr=0.1), b, cfg, max_len=500)
     assert stats["nonfinite"] == 1
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+class Endless(gym.Env):
+    """Never ends by itself, and has no TimeLimit: only flatrl's own episode cap (1000 steps) cuts it."""
+    observation_space, action_space = gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1, 1, 2).astype("float32"), {}
+
+    def step(self, action):
+        return self.np_random.uniform(-1, 1, 2).astype("float32"), 1.0, False, False, {}
+
+
+def test_flatrl_own_episode_cap_is_a_time_limit_cut():
+    gym.register("Endless-v0", entry_point=Endless)
+    cfg = Config(env="Endless-v0", algo="ppo", batch_size=2)
+    _, policy, b = rollout(cfg)
+    assert b.mask.sum(1).tolist() == [1000, 1000] and b.truncated.all()  # cut, not ended
+    train.score_old(policy, b, cfg)
+    assert (b.last_value != 0).all()  # so ppo bootstraps from V(s_1000)
+
+
+def test_ranks_run_distinct_episodes_that_add_up_to_the_batch(monkeypatch):
+    cfg = Config(batch_size=8, group_size=2)
+    task, policy, whole = rollout(cfg)
+    starts = []
+    for r in (0, 1):
+        monkeypatch.setattr(tasks, "rank", lambda: r)
+        monkeypatch.setattr(tasks, "world", lambda: 2)
+        starts.append({tuple(o) for o in task.rollout(policy, step=0).obs[:, 0].tolist()})
+    assert len(starts[0]) == len(starts[1]) == 2 and not starts[0] & starts[1]  # 2 reset seeds each, none shared
+    assert starts[0] | starts[1] == {tuple(o) for o in whole.obs[:, 0].tolist()}  # together: one process's batch
+
+
+def test_checkpoints_keep_the_gpu_rng_state_too(tmp_path, monkeypatch):
+    # No GPU on the build machines: torch.cuda's RNG calls are stood in for; the file round trip is real.
+    saved, restored = torch.arange(16, dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    utils.save_checkpoint(str(tmp_path / "c.safetensors"), {"w": torch.ones(3)}, opt, {"step": 1})
+    utils.load_checkpoint(str(tmp_path / "c.safetensors"), opt)
+    assert len(restored) == 1 and torch.equal(restored[0], saved)
+
+
+def test_a_step_that_trains_nothing_leaves_blanks(tmp_path):
+    cfg = Config(algo="grpo", group_size=2)
+    _, policy, b = rollout(cfg)
+    b.adv = torch.zeros_like(b.mask)  # every group tied
+    before = copy.deepcopy(policy.state_dict())
+    stats = train.update(policy, torch.optim.Adam(policy.parameters(), lr=0.1), b, cfg, max_len=500)
+    assert "loss" not in stats and "grad_norm" not in stats and stats["nonfinite"] == 0
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    log = Logger(str(tmp_path), 0, 2)
+    log.log({"step": 0, "time_s": 0.1, "reward": 1.0, "loss": 0.5, "grad_norm": 2.0}, 1)
+    log.log({"step": 1, "time_s": 0.2, "reward": 1.0, **stats}, 2)
+    log.close(str(tmp_path))
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert (rows[1]["loss"], rows[1]["grad_norm"]) == ("", "")
 
 
 def params_of(run_dir):
