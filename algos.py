@@ -3,18 +3,22 @@ share one clipped policy loss and one value loss. Pure functions of tensors, no 
 """
 import torch
 
-from utils import Batch, all_reduce_sum, discounted_cumsum, gae, masked_sum, whiten
+from utils import Batch, all_reduce_sum, discounted_cumsum, gae, masked_sum, reply_ends, whiten
 
 
 # --- advantage estimators: fn(batch, cfg) -> (A [N, T], returns [N, T] or None) ----------------
 
 def reinforce(b, cfg):
-    """A_t = G_t = sum_{s>=t} gamma^(s-t) r_s, the discounted return-to-go (Williams 1992)."""
-    return discounted_cumsum(b.rewards, b.mask, cfg.gamma), None
+    """A_t = G_t = sum_{s>=t} gamma^(s-t) r_s, the discounted return-to-go (Williams 1992).
+    --credit turn: the reply's return G_k (reply_returns) on each of its tokens."""
+    return reply_returns(b, cfg)[0] if cfg.credit == "turn" else discounted_cumsum(b.rewards, b.mask, cfg.gamma), None
 
 
 def reinforce_baseline(b, cfg):
-    """A_t = G_t - b, with b the mean of G_t over every real step of the batch (all ranks)."""
+    """A_t = G_t - b, with b the mean of G_t over every real step of the batch (all ranks).
+    --credit turn: turn_credit's leave-one-out baseline per reply."""
+    if cfg.credit == "turn":
+        return turn_credit(b, cfg), None
     G = discounted_cumsum(b.rewards, b.mask, cfg.gamma)  # [N, T]
     total = all_reduce_sum(torch.stack([masked_sum(G, b.mask), b.mask.sum()]))
     return (G - total[0] / total[1]) * b.mask, None
@@ -42,16 +46,48 @@ def group_stats(R, group):
 
 def grpo(b, cfg):
     """A_i = (R_i - mean_g R) / (std_g R + adv_eps), std unbiased (arXiv 2402.03300), on every token of
-    sample i. norm_std = false gives Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783)."""
+    sample i. norm_std = false gives Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783).
+    --credit turn (norm_std false): turn_credit's leave-one-out baseline per reply."""
+    if cfg.credit == "turn":
+        return turn_credit(b, cfg), None
     centered, std, _ = group_stats(b.seq_reward, b.group)  # [N]
     A = torch.where(std > 0, centered / (std + cfg.adv_eps), 0.0) if cfg.norm_std else centered
     return A[:, None] * b.mask, None
 
 
 def rloo(b, cfg):
-    """A_i = R_i - mean_{j != i} R_j = G / (G - 1) * (R_i - mean_g R), leave-one-out (arXiv 2402.14740)."""
+    """A_i = R_i - mean_{j != i} R_j = G / (G - 1) * (R_i - mean_g R), leave-one-out (arXiv 2402.14740).
+    --credit turn: the same per reply (turn_credit)."""
+    if cfg.credit == "turn":
+        return turn_credit(b, cfg), None
     centered, _, G = group_stats(b.seq_reward, b.group)
     return (G / (G - 1) * centered)[:, None] * b.mask, None
+
+
+def reply_returns(b, cfg):
+    """--credit turn: reply k of an episode earns r_k, on its last token; its return is the discounted
+    reward-to-go over the replies from it on, G_k = r_k + turn_discount * G_(k+1), on each of its tokens.
+    -> (G [N, T], the reply index k of every token [N, T]). Rewards [0, 1, .5], discount .5 -> [.625, 1.25, .5]"""
+    ends = reply_ends(b.mask)  # [N, T]
+    G = discounted_cumsum(b.rewards, b.mask, torch.where(ends, cfg.turn_discount, 1.0))
+    return G, (ends.cumsum(1) - ends.long()) * (b.mask > 0)
+
+
+def turn_credit(b, cfg):
+    """--credit turn, group estimators: A = G_ik - mean of G_jk over the OTHER episodes j of i's group that
+    reached reply k (no other did: baseline 0), on every token of reply k. Leaving episode i out keeps the
+    estimate unbiased though the policy decides which episodes reach reply k: the baseline then depends
+    on no action of episode i (README "Per-turn credit"; tested by Monte Carlo against the exact gradient)."""
+    G, k = reply_returns(b, cfg)  # [N, T] each
+    K, real = int(k.max()) + 1, b.mask > 0
+    slot = torch.where(real, k, K)  # [N, T]; padding and environment tokens land in a spare column K
+    V = G.new_zeros(len(G), K + 1).scatter(1, slot, G)[:, :K]  # [N, K] each reply's return (one value per reply)
+    reached = G.new_zeros(len(G), K + 1).scatter(1, slot, real.float())[:, :K]  # [N, K] 1 where reply k exists
+    _, g = torch.unique(b.group, return_inverse=True)
+    total, count = (G.new_zeros(int(g.max()) + 1, K).index_add(0, g, x) for x in (V, reached))  # per group and k
+    others = count[g] - reached  # [N, K] how many OTHER episodes of the group reached reply k
+    A = (V - torch.where(others > 0, (total[g] - V) / others.clamp(min=1), 0.0)) * reached  # [N, K]
+    return A.gather(1, k) * b.mask
 
 
 ADVANTAGES = {"reinforce": reinforce, "reinforce_baseline": reinforce_baseline, "ppo": ppo,

@@ -58,7 +58,9 @@ class Config:
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
     max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm
     max_turns: int = 1  # assistant replies per episode; > 1 = multi-turn: the task's env_response answers each
-    turn_discount: float = 1.0  # multi-turn: the episode's reward is scaled by this for every reply beyond the first
+    turn_discount: float = 1.0  # multi-turn: a reward k replies later counts turn_discount^k (0 < d <= 1)
+    credit: str = "episode"  # multi-turn: episode = every reply carries the episode's return; turn = each reply its reward-to-go, baselines per reply
+    max_tool_calls: int = 2  # tool tasks: calls executed per episode, later ones answered with an error (0 = tools off)
     max_episode_tokens: int = 0  # multi-turn: tokens after the prompt, replies and messages together (0 = no cap)
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
     gen_batch: int = 64  # sequences per generate call
@@ -144,6 +146,10 @@ class Config:
         need(self.peak_tflops >= 0, "peak_tflops must be >= 0 (0 = measure the device once)")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
+        need(self.credit in ("episode", "turn"), f"credit {self.credit!r}: use episode or turn")
+        need(0 < self.turn_discount <= 1 and self.max_tool_calls >= 0, "turn_discount must be in (0, 1], max_tool_calls >= 0")
+        need(self.credit == "episode" or self.algo != "grpo" or not self.norm_std, "--credit turn with grpo's std division "
+             "is biased (the std includes the episode itself, over episodes the policy chose to prolong): add --no-norm-std")
         return self
 
     @property
@@ -245,6 +251,7 @@ def parse(argv=None, choices=None):
 
 
 def save(cfg, path):
-    with open(f"{path}.tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # this process's own: two processes saving at once never take each other's
+    with open(tmp, "w") as f:
         yaml.safe_dump({k: v for k, v in dataclasses.asdict(cfg).items() if k not in ONE_SHOT}, f, sort_keys=False)
-    os.replace(f"{path}.tmp", path)  # whole or not at all: --resume reads it
+    os.replace(tmp, path)  # whole or not at all: --resume reads it

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import Batch, fast_bf16, full, peak_flops
+from utils import Batch, fast_bf16, full, peak_flops, tmp_name
 
 
 def mlp(n_in, hidden, n_out):
@@ -299,11 +299,19 @@ class HFPolicy(nn.Module):
                     fully_shard(m).set_gradient_divide_factor(1.0)
                     m.set_force_sum_reduction_for_comms(True)
 
-    def prompt_ids(self, text):
-        if self.tok.chat_template:
-            text = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
-        return self.tok(text, add_special_tokens=not self.tok.chat_template)["input_ids"]
+    def prompt_ids(self, text, tools=None):
+        """A user message (or a chat: a list of messages, e.g. a worked example first) as prompt ids. `tools`
+        (Python functions) go to a template that knows tools: it describes them from their JSON schemas
+        (transformers' get_json_schema); other templates ignore them."""
+        if not self.tok.chat_template:
+            return self.tok(text)["input_ids"]
+        return self.render(text if isinstance(text, list) else [{"role": "user", "content": text}], True, tools)
+
+    def render(self, chat, prompt_next, tools=None):
+        """A chat as the template's ids; a "tool" message is a user message where the template has no tool role."""
+        chat = [{**m, "role": "user"} if m["role"] == "tool" and "tool" not in self.tok.chat_template else m for m in chat]
+        text = self.tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=prompt_next)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def forward_logits(self, lm, batch, hidden=False):
         """Logits (and final hidden states) at the T positions that predict the completion tokens."""
@@ -370,7 +378,7 @@ class HFPolicy(nn.Module):
     def ended(self, ids):  # a reply that stopped by itself, rather than at a token limit
         return bool(ids) and ids[-1] in self.stop_ids
 
-    def env_ids(self, message, last):
+    def env_ids(self, message, last, role="user"):
         """The ids that follow a sampled reply (ending with its stop token `last`) to add `message` as the next
         user turn and prompt the next reply: the chat template's difference between a fixed two-turn chat and
         the same chat with the message added. Nothing sampled is ever re-rendered or re-tokenized, so the
@@ -378,12 +386,9 @@ class HFPolicy(nn.Module):
         A reply that stopped on another of the model's stop ids than the template's end of turn (Qwen2.5 and
         Llama-3 instruct models have several) gets the template's end-of-turn id first, so the episode stays
         what the template renders for the chat."""
-        def render(chat, prompt_next):
-            text = self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt_next)
-            return self.tok(text, add_special_tokens=False)["input_ids"]
         chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
-        before = render(chat, False) if self.tok.chat_template else []
-        after = render(chat + [{"role": "user", "content": message}], True) if self.tok.chat_template else []
+        before = self.render(chat, False) if self.tok.chat_template else []
+        after = self.render(chat + [{"role": role, "content": message}], True) if self.tok.chat_template else []
         ends = [i for i, t in enumerate(before) if t in self.stop_ids]  # where the assistant turn closed
         if not ends or after[:len(before)] != before:
             raise SystemExit(f"config error: multi-turn needs a chat template that ends assistant turns with a stop "
@@ -432,12 +437,12 @@ class HFPolicy(nn.Module):
     def save_adapter(self, path, params):
         """LoRA: the adapter in PEFT format (PeftModel.from_pretrained loads it); full FT: the model. `params`
         are the whole trainable weights (save_checkpoint's), so FSDP shards never reach the files. Written
-        to path.tmp first, then swapped in: a kill mid-save leaves the previous adapter (and the checkpoint)."""
+        to a temporary folder first, then swapped in: a kill mid-save leaves the previous adapter (and the checkpoint)."""
         whole = {k.removeprefix("lm."): v for k, v in params.items() if k.startswith("lm.")}
-        self.lm.save_pretrained(path + ".tmp", state_dict=whole, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
-        self.tok.save_pretrained(path + ".tmp")
+        self.lm.save_pretrained(tmp_name(path), state_dict=whole, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
+        self.tok.save_pretrained(tmp_name(path))
         shutil.rmtree(path, ignore_errors=True)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp_name(path), path)
 
 
 def local_copy(model):

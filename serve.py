@@ -24,9 +24,11 @@ from safetensors.torch import load as st_load, save as st_save
 from model import check_parity
 from utils import Batch, Logger, broadcast_bytes, full, rank, sharded, world
 
+WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
+
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
 FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
-               "max_turns", "turn_discount", "max_episode_tokens", "digits", "ops", "data", "hidden", "lora_r", "lora_alpha",
+               "max_turns", "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data", "hidden", "lora_r", "lora_alpha",
                "lora_targets")
 
 
@@ -362,7 +364,7 @@ class Client:
 def run_worker(cfg, task, policy):
     """Pull the newest weights, sample a batch with them, push it; until the trainer says it is done.
     The progress bar shows the trainer's steps (the weights version), not this worker's batches."""
-    worker = uuid.uuid4().hex[:8]
+    worker = WORKER
     client = Client(cfg, worker)
     status, _, body = client.call("/config")
     if status != 200:

@@ -5,11 +5,18 @@
 Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played as episodes of one or
 more turns (play). TASKS maps --task to a class.
 """
+import ast
+import contextlib
+import inspect
 import json
+import operator
 import os
 import random
 import re
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from fractions import Fraction
 
@@ -17,7 +24,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from utils import Batch, all_reduce_sum, rank, world
+from utils import Batch, all_reduce_sum, rank, reply_ends, world
 
 
 class GymTask:
@@ -114,52 +121,27 @@ def overlong_penalty(n_tokens, max_new, buffer):
     return min(0.0, (max_new - buffer - n_tokens) / buffer) if buffer else 0.0
 
 
-def eval_expression(expr, numbers):
-    """Exact value (a Fraction) of an expression of numbers, + - * / and parentheses that uses each of
-    `numbers` exactly once; None for anything else. A small recursive-descent parser: no eval(), no
-    names, no powers, no unary minus, at most 200 characters (so the recursion stays shallow)."""
-    tokens = re.findall(r"\d+|\S", expr)
-    if len(expr) > 200 or any(not t.isdigit() and t not in "+-*/()" for t in tokens):
-        return None
-    pos, used = 0, []
+def eval_expression(expr, numbers=None):
+    """Exact value (a Fraction) of an expression of whole numbers, + - * / and parentheses that uses each of
+    `numbers` exactly once (any numbers when None); None for anything else. Python's parser builds the tree,
+    which is walked here, never evaluated: no names, no calls, no powers, no unary minus, no decimals, at
+    most 200 characters (so the tree stays shallow)."""
+    ops, used = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}, []
 
-    def peek():
-        return tokens[pos] if pos < len(tokens) else None
-
-    def take():
-        nonlocal pos
-        pos += 1
-        return tokens[pos - 1]
-
-    def atom():  # number | ( sum )
-        t = take()
-        if t == "(":
-            v = total()
-            if take() != ")":
-                raise ValueError
-            return v
-        if not t.isdigit():
-            raise ValueError
-        used.append(int(t))
-        return Fraction(int(t))
-
-    def product():
-        v = atom()
-        while peek() in ("*", "/"):
-            v = v * atom() if take() == "*" else v / atom()
-        return v
-
-    def total():
-        v = product()
-        while peek() in ("+", "-"):
-            v = v + product() if take() == "+" else v - product()
-        return v
+    def value(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        raise ValueError
 
     try:
-        value = total()
-    except (ValueError, IndexError, ZeroDivisionError):
+        assert len(expr) <= 200 and re.fullmatch(r"[\d\s+\-*/()]*", expr)  # digits only: no 1_000, 0x1f, 1e3
+        result = value(ast.parse(expr.strip(), mode="eval").body)
+    except (AssertionError, SyntaxError, ValueError, ZeroDivisionError):
         return None
-    return value if pos == len(tokens) and sorted(used) == sorted(numbers) else None
+    return result if numbers is None or sorted(used) == sorted(numbers) else None
 
 
 # --- LLM tasks -------------------------------------------------------------------------------------
@@ -176,6 +158,7 @@ class LLMTask:
     Held-out: the first n_eval distinct problems of a fixed stream; training never draws those."""
     llm = True
     rewards = [(1.0, numeric_match)]  # (weight, fn(prompt, completion, answer) -> float), summed
+    tools = None  # functions the chat template describes to the model (ToolTask)
 
     def __init__(self, cfg):
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
@@ -218,8 +201,17 @@ class LLMTask:
         return None
 
     def episode_reward(self, question, answer, turns):
-        """The last reply's reward, times turn_discount for every reply it took beyond the first."""
-        return self.reward(self.build_prompt(question), turns[-1], answer) * self.cfg.turn_discount ** (len(turns) - 1)
+        """The episode's outcome: the last reply's reward."""
+        return self.reward(self.build_prompt(question), turns[-1], answer)
+
+    def turn_rewards(self, question, answer, turns):
+        """One reward per reply, in order: by default 0 for every reply but the last, which gets episode_reward.
+        A reward k replies in counts turn_discount^k towards the episode's return (rollout)."""
+        return [0.0] * (len(turns) - 1) + [self.episode_reward(question, answer, turns)]
+
+    def episode_stats(self, chats):
+        """The task's own metrics of a list of episodes (means over them): in training rows, and as eval_ ones."""
+        return {}
 
     def play(self, policy, problems, n, greedy=False):
         """n episodes per (question, answer). The model replies; env_response answers (its message added as
@@ -229,7 +221,7 @@ class LLMTask:
         prompt, each reply's ids as sampled (mask 1), each message's ids (mask 0), never re-tokenized.
         -> (Batch, each episode's chat after the prompt as [{"role": ..., "content": ...}, ...])"""
         cfg, cap = self.cfg, self.cfg.max_episode_tokens or sys.maxsize
-        prompts = [policy.prompt_ids(self.build_prompt(q)) for q, _ in problems]
+        prompts = [policy.prompt_ids(self.build_prompt(q), self.tools) for q, _ in problems]
         of = [i for i in range(len(problems)) for _ in range(n)]  # episode -> its problem
         tails, masks, logps, chats = ([[] for _ in of] for _ in range(4))
         cut, live = [False] * len(of), list(range(len(of)))
@@ -250,12 +242,13 @@ class LLMTask:
             for e in live:
                 q, a = problems[of[e]]
                 said = None if cut[e] or turn + 1 == cfg.max_turns else self.env_response(q, a, replies(chats[e]))
-                if said is not None:
-                    env = policy.env_ids(said, tails[e][-1])
+                if said is not None:  # a user message, or {"role": "tool", "content": ...}
+                    said = said if isinstance(said, dict) else {"role": "user", "content": said}
+                    env = policy.env_ids(said["content"], tails[e][-1], said["role"])
                     cut[e] = len(tails[e]) + len(env) >= cap  # no room for the message and a reply: it ends here
                     if not cut[e]:
                         add(e, env, 0, [0.0] * len(env))
-                        chats[e].append({"role": "user", "content": said})
+                        chats[e].append(said)
                         still.append(e)
             if not (live := still):
                 break
@@ -267,14 +260,17 @@ class LLMTask:
         t = time.time()
         batch, chats = self.play(policy, problems, G)
         gen_s, lengths = time.time() - t, batch.mask.sum(1)  # [N] sampled tokens per episode
-        turns = list(map(replies, chats))
-        R = torch.tensor([self.episode_reward(*problems[i // G], r) + overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
-                          for i, (r, n) in enumerate(zip(turns, lengths.tolist()))])
-        last = batch.mask.shape[1] - 1 - batch.mask.flip(1).argmax(1)  # [N] each episode's last sampled token
-        batch.rewards[torch.arange(len(R)), last] = R  # the scalar reward on the last sampled token
+        turns, ends, d = list(map(replies, chats)), reply_ends(batch.mask), self.cfg.turn_discount
+        for i, (r, n) in enumerate(zip(turns, lengths.tolist())):
+            R = self.turn_rewards(*problems[i // G], r)  # one per reply, each on the reply's last token (--credit turn)
+            if self.cfg.credit == "episode":  # or the episode's return on its last token, for every token to share
+                R = [0.0] * (len(R) - 1) + [sum(x * d**k for k, x in enumerate(R))]
+            R[-1] += overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
+            batch.rewards[i, ends[i]] = torch.tensor(R)
         batch.stats = {"accuracy": sum(self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
                                        for i, r in enumerate(turns)) / len(turns), "gen_s": gen_s,
-                       "gen_tok_s": lengths.sum().item() / gen_s, "gen_mfu": policy.flops(batch) / gen_s / policy.peak["gen"]}
+                       "gen_tok_s": lengths.sum().item() / gen_s, "gen_mfu": policy.flops(batch) / gen_s / policy.peak["gen"],
+                       **self.episode_stats(chats)}
         if self.cfg.max_turns > 1:
             batch.stats["turns"] = sum(map(len, turns)) / len(turns)  # assistant replies per episode
         return batch
@@ -290,6 +286,8 @@ class LLMTask:
         out = {"eval_acc": self.solved_fraction(mine, prompts, [r[-1] for r in said], 1)}
         if self.cfg.max_turns > 1:
             out["eval_acc_turn1"] = self.solved_fraction(mine, prompts, [r[0] for r in said], 1)
+        for k, v in self.episode_stats(chats).items():  # a mean over ranks: each holds as many episodes
+            out[f"eval_{k}"] = all_reduce_sum(torch.tensor(v)).item() / world()
         if self.cfg.eval_k:
             last = [replies(c)[-1] for c in self.play(policy, mine, self.cfg.eval_k)[1]]
             out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, last, self.cfg.eval_k)
@@ -349,6 +347,133 @@ class Countdown(LLMTask):
         return countdown_correct(prompt, completion, answer)
 
 
+RUNNER = """import resource, sys
+cpu, mem, out = map(int, sys.argv[1:4])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # seconds of CPU, then SIGXCPU
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))  # bytes of address space: a bigger allocation fails
+resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))  # bytes written to a file (stdout is one), then EFBIG
+del resource, sys, cpu, mem, out
+exec(compile(open("main.py").read(), "main.py", "exec"))
+"""
+
+
+def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
+    """Run model-written Python in a subprocess with CPU-time, memory, output-size and wall-clock limits, an
+    empty environment (no FLATRL_TOKEN, no hub tokens) and a temporary folder; then kill its process group.
+    -> its output, or "error: ..." naming the limit hit. Not a security sandbox: code that starts its own
+    session escapes the group, and it reads what this user can (README)."""
+    with tempfile.TemporaryDirectory(prefix="flatrl-run-") as d:
+        with open(os.path.join(d, "main.py"), "w") as f:
+            f.write(code)
+        with open(os.path.join(d, "out"), "w+") as out:
+            proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER, str(cpu_s), str(mem_mb * 2**20), str(out_kb * 1024)],
+                                    cwd=d, env={}, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            try:
+                code = proc.wait(wall_s)
+            except subprocess.TimeoutExpired:
+                code = None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the program and every child it left in its group
+            proc.wait()
+            full = os.fstat(out.fileno()).st_size >= out_kb * 1024
+            out.seek(0)
+            text = out.read()
+    if code is None or full or code == -signal.SIGXCPU:
+        why = (f"still running after {wall_s:g} s" if code is None else f"wrote more than {out_kb} KB" if full
+               else f"used more than {cpu_s} s of CPU")
+        return f"error: {why}; stopped\n{text[-500:]}"
+    return text if code == 0 else f"error: exit code {code}\n{text[-2000:]}"
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)  # Hermes style, as Qwen2.5 and Hermes models write
+
+
+class ToolTask(LLMTask):
+    """Tools are environment replies: a reply that calls one of `tools` (functions with type hints and a
+    docstring) gets the result as the next message (the template's tool role where it has one); a reply
+    without a call is the answer and ends the episode. A call is Hermes style, <tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>, or plain (templates without tools): a first line `name: argument`.
+    Anything wrong with a call, or one past --max-tool-calls, is answered "error: ...", never raised."""
+
+    def find_call(self, reply):
+        """The call a reply makes, as JSON text, or None when the reply is an answer."""
+        if found := TOOL_CALL.search(reply):
+            return found.group(1)
+        plain, tools = re.match(r"\s*(\w+):[ \t]*([^\n]*)", reply), {f.__name__: f for f in self.tools}
+        if plain and plain[1] in tools:
+            return json.dumps({"name": plain[1], "arguments": {next(iter(inspect.signature(tools[plain[1]]).parameters)): plain[2]}})
+        return None
+
+    def env_response(self, question, answer, turns):
+        call = self.find_call(turns[-1])
+        if call is None:
+            return None
+        return {"role": "tool", "content": self.call(call, sum(self.find_call(t) is not None for t in turns[:-1]))}
+
+    def call(self, text, calls_before):
+        tools = {f.__name__: f for f in self.tools}
+        if calls_before >= self.cfg.max_tool_calls:
+            return f"error: no tool calls left (at most {self.cfg.max_tool_calls}); reply with the answer"
+        try:
+            spec = json.loads(text)
+            name, args = spec["name"], spec["arguments"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            return 'error: write a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, in JSON'
+        if not isinstance(name, str) or name not in tools:
+            return f"error: no tool {name!r}; the tools are {', '.join(tools)}"
+        try:
+            inspect.signature(tools[name]).bind(**args)
+        except TypeError as e:
+            return f"error: bad arguments for {name}: {e}"
+        try:
+            return f"{name} result: {tools[name](**args)}"
+        except Exception as e:  # whatever the tool raises is the model's to read, never the trainer's to crash on
+            return f"error: {name} raised {type(e).__name__}: {e}"
+
+    def episode_stats(self, chats):
+        tool = [[m for m in c if m["role"] == "tool"] for c in chats]
+        return {"tool_calls": sum(map(len, tool)) / len(chats), "tool_use": sum(map(bool, tool)) / len(chats),
+                "tool_errors": sum(m["content"].startswith("error:") for t in tool for m in t) / len(chats)}
+
+    def correct(self, prompt, completion, answer):  # an answer, not a call
+        return 0.0 if self.find_call(completion) else numeric_match(prompt, completion, answer)
+
+    def reward(self, prompt, completion, answer):
+        return self.correct(prompt, completion, answer)
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly.
+
+    Args:
+        expression: numbers with + - * / and parentheses, e.g. "(12 + 3) * 4"
+    """
+    value = eval_expression(expression)  # tasks.py's own parser: never eval()
+    if value is None:
+        raise ValueError("use numbers, + - * / and parentheses")
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+
+
+class Calc(ToolTask):
+    """'What is 347 * 28?': too hard for SmolLM2-135M alone, easy with the calculator. The prompt is a worked
+    example as chat turns (an addition), then the question: told about a tool in words only, SmolLM2 called
+    it in ~1 of 32 samples (README). --max-tool-calls 0: the same task without the tool (no example, calls
+    refused)."""
+    tools = [calculator]
+
+    def problem(self, rng):
+        a, b = rng.randint(100, 999), rng.randint(10, 99)
+        return f"What is {a} * {b}?", a * b
+
+    def build_prompt(self, question):
+        if not self.cfg.max_tool_calls:
+            return question + " Reply with just the number."
+        ask = " You can use a calculator."  # the example adds: the model must carry the format over to *
+        return [{"role": "user", "content": "What is 1234 + 5678?" + ask}, {"role": "assistant", "content": "calculator: 1234 + 5678"},
+                {"role": "tool", "content": "calculator result: 6912"}, {"role": "assistant", "content": "6912"},
+                {"role": "user", "content": question + ask}]
+
+
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' loader per suffix
 
 
@@ -404,5 +529,5 @@ class DataTask(LLMTask):
         return question + "\nThink step by step, then put the final number in <answer></answer> tags."
 
 
-TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "data": DataTask,
+TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc, "data": DataTask,
          "jsonl": DataTask}  # jsonl: the data task's former name

@@ -22,10 +22,10 @@ from safetensors import safe_open
 import config as config_lib
 from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, value_loss
 from model import HFPolicy, MLPPolicy, check_parity
-from serve import AsyncSource, SyncSource, run_worker
+from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Logger, Timer, all_reduce_sum, full, held_mb, like, load_checkpoint, masked_mean, rank,
-                   save_checkpoint, seed_all, world)
+from utils import (Logger, Timer, all_reduce_sum, broadcast_bytes, fresh_dir, full, held_mb, like, load_checkpoint,
+                   masked_mean, rank, save_checkpoint, seed_all, world)
 
 
 def build(cfg):
@@ -33,8 +33,8 @@ def build(cfg):
         raise SystemExit(f"config error: {cfg.algo} compares samples of the same prompt, and a group of one has "
                          f"nothing to compare: set --group-size 2 or more")
     task = TASKS[cfg.task](cfg)
-    if cfg.kl_coef and not task.llm or cfg.fsdp and not task.llm:
-        raise SystemExit("config error: --kl-coef and --fsdp are for LLM policies; drop them for control tasks")
+    if not task.llm and (cfg.kl_coef or cfg.fsdp or cfg.credit == "turn"):
+        raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for control tasks")
     if task.llm:
         return task, HFPolicy(cfg)
     return task, MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
@@ -184,8 +184,12 @@ def setup(cfg):
         if cfg.device.startswith("cuda"):  # one GPU per rank; nccl collectives run on the current device
             cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
             torch.cuda.set_device(cfg.device)
-    name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task
-    cfg.out = cfg.resume or cfg.out or f"runs/{name}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not (cfg.out or cfg.resume):  # a folder of this run's own, even beside runs started in the same second
+        name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task
+        worker = f"-worker-{WORKER}" if cfg.role == "rollout" else ""  # next to the trainer's: runs/NAME-TIME-worker-ID
+        base = f"runs/{name}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}{worker}"
+        cfg.out = broadcast_bytes(fresh_dir(base).encode() if rank() == 0 else None).decode()  # one for all ranks
+    cfg.out = cfg.resume or cfg.out
     os.makedirs(cfg.out, exist_ok=True)
     if rank() == 0:
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))

@@ -104,12 +104,20 @@ def whiten(x, mask, eps=1e-8):
 def discounted_cumsum(x, mask, factor):
     """y_t = x_t + factor * y_t' over the real steps of a row, t' the next real step after t: steps with
     mask 0 (padding, or environment tokens in the middle of a multi-turn row) are skipped, not counted,
-    and get y = 0. x, mask [N, T]. factor .5, x [0, 0, env, env, 1, pad] -> [.25, .5, 0, 0, 1, 0]."""
+    and get y = 0. x, mask [N, T]; factor a number or [N, T] (per step).
+    factor .5, x [0, 0, env, env, 1, pad] -> [.25, .5, 0, 0, 1, 0]."""
     y, acc = torch.zeros_like(x), x.new_zeros(x.shape[0])  # [N, T], [N]
     for t in reversed(range(x.shape[1])):  # T steps of [N] work: small next to any forward pass
-        acc = torch.where(mask[:, t] > 0, x[:, t] + factor * acc, acc)
+        f = factor[:, t] if torch.is_tensor(factor) else factor
+        acc = torch.where(mask[:, t] > 0, x[:, t] + f * acc, acc)
         y[:, t] = acc * mask[:, t]
     return y
+
+
+def reply_ends(mask):
+    """[N, T] bool: the last token of each run of trained tokens, i.e. of each reply of an episode."""
+    after = torch.cat([mask[:, 1:], mask.new_zeros(len(mask), 1)], 1)  # [N, T] the mask one step later
+    return (mask > 0) & (after == 0)
 
 
 def gae(rewards, values, mask, gamma, lam, last_value=None):
@@ -179,9 +187,9 @@ def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.jso
             n *= 2
         known[key] = best
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(f"{cache}.{os.getpid()}", "w") as f:  # one temporary file per process: torchrun ranks probe at once
+        with open(tmp_name(cache), "w") as f:  # torchrun ranks probe at once
             json.dump(known, f, indent=1)
-        os.replace(f"{cache}.{os.getpid()}", cache)
+        os.replace(tmp_name(cache), cache)
     return known[key]
 
 
@@ -259,6 +267,23 @@ def held_mb(module):
 
 # --- checkpoints: safetensors + JSON, no pickle -------------------------------------------------
 
+def tmp_name(path):
+    """Where to write `path` before renaming it into place: a name of this process's own, so processes writing
+    the same file at once (workers started together, torchrun ranks) never rename each other's half-written one."""
+    return f"{path}.{os.getpid()}.tmp"
+
+
+def fresh_dir(base):
+    """Make and return the first of base, base-2, base-3, ... that does not exist yet: os.makedirs fails if
+    another process made it first, so runs started in the same second get folders of their own."""
+    for i in itertools.count(1):
+        path = base if i == 1 else f"{base}-{i}"
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+
 def rng_states():
     """This rank's random generators: the CPU's, and its GPU's when the run uses one (sampling runs there)."""
     return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {})}
@@ -278,8 +303,8 @@ def save_checkpoint(path, params, opt, meta):
         tensors[f"rng.{name}"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
     if rank() == 0:
         meta = {**meta, "opt_groups": state["param_groups"], "rng_python": random.getstate()}
-        save_file(tensors, path + ".tmp", metadata={"flatrl": json.dumps(meta)})
-        os.replace(path + ".tmp", path)
+        save_file(tensors, tmp_name(path), metadata={"flatrl": json.dumps(meta)})
+        os.replace(tmp_name(path), path)
     return params
 
 
@@ -337,13 +362,13 @@ class Logger:
 
     def write(self, rows=None):
         """Append rows to metrics.csv; with none, rewrite it whole (a new column, or a resume), atomically."""
-        with open(self.path if rows else self.path + ".tmp", "a" if rows else "w", newline="") as f:
+        with open(self.path if rows else tmp_name(self.path), "a" if rows else "w", newline="") as f:
             w = csv.DictWriter(f, self.fields, restval="")
             if not rows:
                 w.writeheader()
             w.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows or self.rows)
         if not rows:
-            os.replace(self.path + ".tmp", self.path)
+            os.replace(tmp_name(self.path), self.path)
 
     def say(self, msg):
         if self.on:

@@ -1,10 +1,13 @@
-"""Multi-turn vs single-turn GRPO on SmolLM2-135M-Instruct, 2-core CPU, at equal wall time.
-configs/arith_grpo_cpu.yaml (one reply) and configs/arith_multiturn_cpu.yaml (a wrong reply is told so, up
-to 3 replies), each in a fresh process for --budget seconds (then Ctrl-C: the run saves and stops), held-out
+"""Multi-turn, per-turn credit and tool use on SmolLM2-135M-Instruct, 2-core CPU, at equal wall time.
+configs/arith_grpo_cpu.yaml (one reply), configs/arith_multiturn_cpu.yaml (a wrong reply is told so, up to
+3 replies), configs/arith_multiturn_turn_cpu.yaml (the same with --credit turn), configs/calc_grpo_cpu.yaml
+(a calculator tool) and the same without the tool (--runs picks), each in a fresh process for --budget seconds (then Ctrl-C: the run saves and stops), held-out
 greedy evaluation every --eval-every steps and at step 0 (before any update). Prints, per run: seconds per
 step, generated tokens per step, and eval_acc / eval_acc_turn1 at equal wall times.
 
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0
+    HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0 1 --runs multi-turn turn-credit
+    HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 900 --seeds 0 1 --runs calc calc-no-tools
 """
 import argparse
 import csv
@@ -17,11 +20,15 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = {"single-turn": "configs/arith_grpo_cpu.yaml", "multi-turn": "configs/arith_multiturn_cpu.yaml"}
+RUNS = {"single-turn": ["--config", "configs/arith_grpo_cpu.yaml"],
+        "multi-turn": ["--config", "configs/arith_multiturn_cpu.yaml"],
+        "turn-credit": ["--config", "configs/arith_multiturn_turn_cpu.yaml"],
+        "calc": ["--config", "configs/calc_grpo_cpu.yaml"],
+        "calc-no-tools": ["--config", "configs/calc_grpo_cpu.yaml", "--max-tool-calls", "0"]}
 
 
-def run(config, seed, budget, eval_every, out):
-    proc = subprocess.Popen([sys.executable, "train.py", "--config", config, "--seed", str(seed), "--steps", "1000",
+def run(flags, seed, budget, eval_every, out):
+    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--seed", str(seed), "--steps", "1000",
                              "--eval-every", str(eval_every), "--out", out], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # a job started with & ignores
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # Ctrl-C: undo that
@@ -44,7 +51,7 @@ def summary(rows, marks):
         at[m] = done[-1] if done else None
     return {"steps": len(trained), "s_per_step": statistics.median(b - a for a, b in zip(times, times[1:])),
             "tokens_per_step": statistics.median(r["length"] * 32 for r in trained),  # 32 episodes a step
-            "turns": statistics.mean(r.get("turns", 1.0) for r in trained), "evals": evals, "at": at}
+            "turns": statistics.mean(r.get("turns", 1.0) for r in trained), "evals": evals, "at": at, "trained": trained}
 
 
 def main():
@@ -52,6 +59,7 @@ def main():
     p.add_argument("--budget", type=float, default=600, help="wall seconds per run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--runs", nargs="+", default=["single-turn", "multi-turn"], choices=list(RUNS))
     a = p.parse_args()
     if a.budget < 120:
         p.error("--budget must be >= 120 s: loading the model and the step-0 evaluation take about a minute")
@@ -59,13 +67,16 @@ def main():
     for seed in a.seeds:
         res = {}
         with tempfile.TemporaryDirectory() as d:
-            for name, config in RUNS.items():
+            for name in a.runs:
                 t = time.time()
-                res[name] = summary(run(config, seed, a.budget, a.eval_every, f"{d}/{name}"), marks)
+                res[name] = summary(run(RUNS[name], seed, a.budget, a.eval_every, f"{d}/{name}"), marks)
                 print(f"seed {seed} {name}: {res[name]['steps']} steps in {time.time() - t:.0f} s", flush=True)
                 for r in res[name]["evals"]:
                     print(f"  step {r['step']:.0f} at {r['time_s']:.0f} s: eval_acc {r['eval_acc']:.3f}"
-                          + (f", eval_acc_turn1 {r['eval_acc_turn1']:.3f}" if "eval_acc_turn1" in r else ""))
+                          + "".join(f", {k} {r[k]:.3f}" for k in ("eval_acc_turn1", "eval_tool_use") if k in r))
+                for r in res[name]["trained"]:
+                    print(f"  step {r['step']:.0f}: reward {r['reward']:.3f}, turns {r.get('turns', 1):.2f}"
+                          + "".join(f", {k} {r[k]:.2f}" for k in ("tool_calls", "tool_errors") if k in r))
         print(f"\nseed {seed} | s/step (median) | generated tokens/step | replies/episode | "
               + " | ".join(f"eval_acc (turn 1) by {m:.0f} s" for m in marks))
         print("|---" * (4 + len(marks)) + "|")

@@ -74,7 +74,7 @@ def test_help_lists_the_registered_tasks_and_algorithms(capsys):
     with pytest.raises(SystemExit):
         config.parse(["--help"], CHOICES)
     out = " ".join(capsys.readouterr().out.split())
-    assert "[cartpole, gym, arith, countdown, data, jsonl]" in out and "[reinforce, reinforce_baseline, ppo, grpo, rloo]" in out
+    assert "[cartpole, gym, arith, countdown, calc, data, jsonl]" in out and "[reinforce, reinforce_baseline, ppo, grpo, rloo]" in out
 
 
 def test_one_shot_fields_are_not_saved_with_the_run(tmp_path):

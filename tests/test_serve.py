@@ -33,12 +33,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn(*args, env=None, cmd=None):
+def spawn(*args, env=None, cmd=None, cwd=ROOT):
     """train.py (or cmd) in the background, its output in a file: a pipe that nobody reads while the test waits
     on another process fills up and blocks the child for good. output(proc) reads it."""
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd or [sys.executable, "train.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd or [sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd, stdout=log,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     proc.log = log
     return proc
 
@@ -96,6 +96,34 @@ def test_trainer_and_two_workers_end_to_end(tmp_path):
         if float(r["staleness"]) == 0:  # sampled by the current weights: on-policy
             assert float(r["ratio"]) == pytest.approx(1.0, abs=1e-5)
 
+
+
+def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
+    port = free_port()
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
+    workers = [spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1", cwd=tmp_path)
+               for _ in range(8)]  # the same command, default output folders, in one folder
+    finish(trainer, timeout=300)
+    assert all("training finished" in finish(w, timeout=120) for w in workers)  # none crashed, each exited by itself
+    folders = os.listdir(tmp_path / "runs")
+    assert len(folders) == 8 and all("-worker-" in f for f in folders)  # runs/cartpole-v1-reinforce-TIME-worker-ID
+    for f in folders:
+        assert {"config.yaml", "metrics.csv"} <= set(os.listdir(tmp_path / "runs" / f))
+        assert not [x for x in os.listdir(tmp_path / "runs" / f) if x.endswith(".tmp")]
+    assert len(rows(tmp_path / "t")) == 20
+
+
+def test_two_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    from utils import fresh_dir
+    assert [fresh_dir(str(tmp_path / "run")) for _ in range(3)] == [str(tmp_path / f"run{s}") for s in ("", "-2", "-3")]
+    runs = [spawn("--task", "cartpole", "--steps", "3", "--no-stop-when-solved", "--eval-every", "0", cwd=tmp_path / "run")
+            for _ in range(2)]  # default flags, one folder, started together
+    for r in runs:
+        finish(r)
+    folders = sorted(os.listdir(tmp_path / "run" / "runs"))
+    assert len(folders) == 2
+    for f in folders:
+        assert [r["step"] for r in rows(tmp_path / "run" / "runs" / f)] == ["0", "1", "2"]
 
 
 def test_worker_killed_mid_run_costs_only_its_batch(tmp_path):
