@@ -136,10 +136,11 @@ def eval_expression(expr, numbers=None):
             return Fraction(node.value)
         raise ValueError
 
+    if len(expr) > 200 or not re.fullmatch(r"[\d\s+\-*/()]*", expr):  # digits only: no 1_000, 0x1f, 1e3
+        return None
     try:
-        assert len(expr) <= 200 and re.fullmatch(r"[\d\s+\-*/()]*", expr)  # digits only: no 1_000, 0x1f, 1e3
         result = value(ast.parse(expr.strip(), mode="eval").body)
-    except (AssertionError, SyntaxError, ValueError, ZeroDivisionError):
+    except (SyntaxError, ValueError, ZeroDivisionError):
         return None
     return result if numbers is None or sorted(used) == sorted(numbers) else None
 
@@ -369,20 +370,20 @@ def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
             proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER, str(cpu_s), str(mem_mb * 2**20), str(out_kb * 1024)],
                                     cwd=d, env={}, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
             try:
-                code = proc.wait(wall_s)
+                status = proc.wait(wall_s)
             except subprocess.TimeoutExpired:
-                code = None
+                status = None
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the program and every child it left in its group
             proc.wait()
             full = os.fstat(out.fileno()).st_size >= out_kb * 1024
             out.seek(0)
             text = out.read()
-    if code is None or full or code == -signal.SIGXCPU:
-        why = (f"still running after {wall_s:g} s" if code is None else f"wrote more than {out_kb} KB" if full
+    if status is None or full or status == -signal.SIGXCPU:
+        why = (f"still running after {wall_s:g} s" if status is None else f"wrote more than {out_kb} KB" if full
                else f"used more than {cpu_s} s of CPU")
         return f"error: {why}; stopped\n{text[-500:]}"
-    return text if code == 0 else f"error: exit code {code}\n{text[-2000:]}"
+    return text if status == 0 else f"error: exit code {status}\n{text[-2000:]}"
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)  # Hermes style, as Qwen2.5 and Hermes models write

@@ -322,10 +322,11 @@ def load_checkpoint(path, opt):
             _, i, name = k.split(".", 2)
             state.setdefault(int(i), {})[name] = like(v, ordered[int(i)]) if v.dim() else v
     opt.load_state_dict({"state": state, "param_groups": meta["opt_groups"]})
-    for name, restore in (("torch", torch.set_rng_state), ("cuda", torch.cuda.set_rng_state)):
-        rng = tensors.get(f"rng.{name}")  # [world, S]; none for a GPU that the saving run did not use
-        if rng is not None and name in rng_states() and len(rng.view(-1, rng.shape[-1])) == world():
-            restore(rng.view(-1, rng.shape[-1])[rank()].clone())  # a copy: set_rng_state reads from the storage start
+    restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
+    for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)
+        rng = tensors.get(f"rng.{name}", torch.empty(0, 0)).flatten(0, -2)  # [world, S]
+        if len(rng) == world():  # resumed on as many ranks: each continues its own stream (else: seeded afresh)
+            restore[name](rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
     version, internal, gauss = meta["rng_python"]
     random.setstate((version, tuple(internal), gauss))
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
