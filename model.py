@@ -1,5 +1,5 @@
 """Policies. Every policy implements one protocol, which is all train.py and tasks.py call:
-    score(batch) -> {"logp": [N, T], "entropy": [N, T], "value": [N, T] or None}   (with grad)
+    score(batch, entropy=True) -> {"logp": [N, T], "entropy": [N, T] or None, "value": [N, T] or None}
     params() -> {name: tensor} of the trainable weights (what checkpoints save)
 and control policies add act(obs, greedy) -> actions [B] for batched environment stepping.
 """
@@ -36,7 +36,7 @@ class MLPPolicy(nn.Module):
         a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]
         return a, logp.gather(-1, a[:, None])[:, 0]
 
-    def score(self, batch):
+    def score(self, batch, entropy=True):  # entropy: always (cheap here)
         logp_all = F.log_softmax(self.actor(batch.obs), -1)  # [N, T, A]
         logp = logp_all.gather(-1, batch.actions[..., None])[..., 0]  # [N, T]
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T]
@@ -313,14 +313,36 @@ class HFPolicy(nn.Module):
         text = self.tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=prompt_next)
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
+    def shared_prompts(self, batch):
+        """Rows that share a prompt (a group's, or a multi-turn episode's first) -> (first row of each distinct
+        prompt [U], which distinct prompt each row has [N]); None where prompts are not shared (group_size 1,
+        gradient checkpointing, which drops the cache). Decided by the config, so FSDP ranks agree on it."""
+        P = batch.obs.shape[1] - batch.mask.shape[1]
+        if self.cfg.group_size < 2 or self.cfg.grad_ckpt or P < 2:
+            return None
+        _, inv = torch.unique(torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1), dim=0, return_inverse=True)
+        first = torch.full((int(inv.max()) + 1,), len(inv)).scatter_reduce(0, inv, torch.arange(len(inv)), "amin")
+        return first, inv
+
     def forward_logits(self, lm, batch, hidden=False):
-        """Logits (and final hidden states) at the T positions that predict the completion tokens."""
-        T = batch.actions.shape[1]
+        """Logits (and final hidden states) at the T positions that predict the completion tokens. Where rows
+        share a prompt, its first P - 1 tokens run once per distinct prompt, and each row's last prompt token
+        and completion run on top of that prompt's keys and values (the KV cache, indexed out over its rows):
+        the same logits, and backward sums the rows' gradients through the prompt, counting it once each."""
+        T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
+        shared, cache, tie = self.shared_prompts(batch), None, 0.0
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-            out = lm(input_ids=batch.obs, attention_mask=batch.attn, position_ids=pos,
-                     output_hidden_states=hidden, logits_to_keep=T + 1)
-        return out.logits[:, :-1], (out.hidden_states[-1][:, -T - 1:-1] if hidden else None)  # [N, T, V], [N, T, H]
+            if shared is not None:
+                first, inv = shared
+                pre = lm(input_ids=batch.obs[first, :P - 1], attention_mask=batch.attn[first, :P - 1],
+                         position_ids=pos[first, :P - 1], use_cache=True, logits_to_keep=1)
+                cache, tie = pre.past_key_values, 0 * pre.logits.sum()  # tie: under FSDP, backward reaches the prompt
+                cache.batch_select_indices(inv.to(self.device))     # pass's outputs too (its all-gather hooks sit there)
+            cols = slice(0 if cache is None else P - 1, -1)  # the last token predicts nothing: not run
+            out = lm(input_ids=batch.obs[:, cols], attention_mask=batch.attn[:, :-1], position_ids=pos[:, cols],
+                     past_key_values=cache, use_cache=cache is not None, output_hidden_states=hidden, logits_to_keep=T)
+        return out.logits + tie, (out.hidden_states[-1][:, -T:] if hidden else None)  # [N, T, V], [N, T, H]
 
     def token_logp(self, logits, actions, entropy=False, temperature=None):
         """log softmax(logits / temperature) at the sampled tokens, chunked over T so no second
@@ -336,26 +358,32 @@ class HFPolicy(nn.Module):
         return torch.cat(logps, 1), (torch.cat(ents, 1) if entropy else None)
 
     def flops(self, batch, train=False):
-        """FLOPs of one pass over a batch's real tokens; padding is waste, not work, and is not counted.
-        For each row of S attended positions, C of them predicting completion tokens:
-            forward = 2 P_mat S  +  2 L d_attn S (S + 1)  +  2 d V C
+        """FLOPs of one pass over a batch's real tokens, as forward_logits runs it; padding is waste, not work.
+        A row runs S positions (its real tokens but the last), C of them predicting completion tokens:
+            forward = 2 P_mat S  +  4 L d_attn A  +  2 d V C
         P_mat: the weights of every matrix multiply in the decoder layers (LoRA's A and B included);
-        2 L d_attn S (S + 1): QK^T and AV over each layer's S (S + 1) / 2 causal pairs; 2 d V C: the LM
-        head on the scored positions only. Generation is counted as this forward over the finished rows
+        A = S (S + 1) / 2 causal pairs, each a QK^T and an AV product in every layer; 2 d V C: the LM head on
+        the scored positions only. A shared prompt's p positions (and their p (p + 1) / 2 pairs) count once
+        per distinct prompt, not once per row. Generation is counted as this forward over the finished rows
         (what a KV cache computes). An update (train=True) adds its backward: the gradients to the inputs
         (the matmuls once more, the attention twice) and to the trainable matrices (P_train):
-            update = 2 forward  +  2 L d_attn S (S + 1)  +  2 P_train S"""
+            update = 2 forward  +  4 L d_attn A  +  2 P_train S"""
         L, d_attn, d, V = self.dims
-        S, C = batch.attn.double().sum(1), batch.attn[:, -batch.mask.shape[1]:].double().sum()  # [N], []
-        att = 2 * L * d_attn * (S * (S + 1)).sum()
-        forward = 2 * self.n_mat * S.sum() + att + 2 * d * V * C
-        return float(2 * forward + att + 2 * self.n_train * S.sum() if train else forward)
+        T, P = batch.mask.shape[1], batch.attn.shape[1] - batch.mask.shape[1]
+        S, C = batch.attn.double().sum(1) - 1, batch.attn[:, -T:].double().sum()  # [N], []
+        S_sum, A = S.sum(), (S * (S + 1) / 2).sum()
+        shared = self.shared_prompts(batch)
+        if shared is not None:  # subtract the prompt of every row but the first of its prompt's rows
+            p = batch.attn[:, :P - 1].double().sum(1)  # [N] positions of the shared prompt
+            S_sum, A = S_sum - p.sum() + p[shared[0]].sum(), A - (p * (p + 1) / 2).sum() + (p * (p + 1) / 2)[shared[0]].sum()
+        forward = 2 * self.n_mat * S_sum + 4 * L * d_attn * A + 2 * d * V * C
+        return float(2 * forward + 4 * L * d_attn * A + 2 * self.n_train * S_sum if train else forward)
 
-    def score(self, batch, temperature=None):
+    def score(self, batch, temperature=None, entropy=True):
         self.flops_done += self.flops(batch, train=torch.is_grad_enabled())
         batch = batch.to(self.device)
         logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
-        logp, entropy = self.token_logp(logits, batch.actions, entropy=True, temperature=temperature)
+        logp, entropy = self.token_logp(logits, batch.actions, entropy=entropy, temperature=temperature)
         value = self.value_head(hidden.float())[..., 0] if hidden is not None else None
         return {"logp": logp, "entropy": entropy, "value": value}
 

@@ -29,25 +29,35 @@ from utils import Batch, all_reduce_sum, rank, reply_ends, world
 
 class GymTask:
     """Any gymnasium env with discrete actions and a Box observation (CartPole-v1, Acrobot-v1, ...).
-    The episodes of a batch are stepped together and acted on with ONE batched forward pass per step.
-    group_size episodes share a reset seed, so grpo / rloo compare episodes from the same start."""
+    The episodes of a batch are stepped together as one vector env (make_vec) and acted on with ONE batched
+    forward pass per step. group_size episodes share a reset seed, so grpo / rloo compare episodes from the
+    same start."""
     llm = False
 
     def __init__(self, cfg):
-        self.cfg = cfg
+        self.cfg, self.vecs = cfg, {}
         try:
             spec = gym.spec(cfg.env)
         except gym.error.Error as e:  # names the versions or the closest env gymnasium knows
             raise SystemExit(f"config error: --env {cfg.env}: {e}")
-        self.envs = [gym.make(cfg.env, disable_env_checker=True)
-                     for _ in range(max(cfg.batch_size, cfg.eval_episodes))]
-        space, obs_space = self.envs[0].action_space, self.envs[0].observation_space
+        space, obs_space = self.envs(1).single_action_space, self.envs(1).single_observation_space
         if not isinstance(space, gym.spaces.Discrete) or not isinstance(obs_space, gym.spaces.Box):
             raise SystemExit(f"config error: env {cfg.env} needs Discrete actions and Box observations")
         self.obs_dim, self.n_actions = int(np.prod(obs_space.shape)), int(space.n)
         self.max_len = spec.max_episode_steps or 1000  # the constant L_max of seq_mean_token_sum_norm
         self.threshold = spec.reward_threshold  # 475 for CartPole-v1, -100 for Acrobot-v1
         self.eval_seeds = [2**31 + i for i in range(cfg.eval_episodes)]  # training seeds are < 2**31
+
+    def envs(self, n):
+        """n copies of the env stepped as one: the env's own vector version where it has one (CartPole's steps
+        all n in numpy at once) and episodes need no shared starts (group_size 1; it takes one seed for all n),
+        else gymnasium's synchronous wrapper (a seed per episode). Either resets a finished episode on the
+        step after the one that ended it (NEXT_STEP), so the observation that step returned is its last."""
+        if n not in self.vecs:
+            own = gym.spec(self.cfg.env).vector_entry_point is not None and self.cfg.group_size == 1
+            self.vecs[n] = (gym.make_vec(self.cfg.env, n, "vector_entry_point") if own else
+                            gym.make_vec(self.cfg.env, n, "sync", disable_env_checker=True))
+        return self.vecs[n]
 
     def rollout(self, policy, step):
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
@@ -61,25 +71,22 @@ class GymTask:
         return self.threshold is not None and metrics.get("eval_return", -np.inf) >= self.threshold
 
     def run(self, policy, seeds, greedy):
-        n, T = len(seeds), self.max_len
+        n, T, env = len(seeds), self.max_len, self.envs(len(seeds))
         obs = np.zeros((n, T, self.obs_dim), np.float32)
         actions, rewards, logps = np.zeros((n, T), np.int64), np.zeros((n, T), np.float32), np.zeros((n, T), np.float32)
-        length, truncated = np.zeros(n, np.int64), np.zeros(n, bool)
-        cur = np.stack([env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)]).reshape(n, -1)
-        alive = list(range(n))
+        length, truncated, alive = np.zeros(n, np.int64), np.zeros(n, bool), np.ones(n, bool)
+        cur = env.reset(seed=seeds if isinstance(env, gym.vector.SyncVectorEnv) else seeds[0])[0].reshape(n, -1)
         for t in range(T):
             obs[alive, t] = cur[alive]
             acts, logp = policy.act(torch.from_numpy(cur[alive]), greedy)  # one forward for all
-            still = []
-            for i, a, lp in zip(alive, acts.numpy(), logp.numpy()):
-                o, r, term, trunc, _ = self.envs[i].step(a)
-                actions[i, t], rewards[i, t], logps[i, t], cur[i] = a, r, lp, np.asarray(o).reshape(-1)
-                if term or trunc:
-                    length[i], truncated[i] = t + 1, trunc and not term
-                else:
-                    still.append(i)
-            alive = still
-            if not alive:
+            actions[alive, t], logps[alive, t] = acts.numpy(), logp.numpy()
+            o, r, term, trunc, _ = env.step(actions[:, t])  # finished episodes step too (their reset), ignored
+            rewards[alive, t] = r[alive]
+            done = alive & (term | trunc)
+            length[done], truncated[done] = t + 1, trunc[done] & ~term[done]
+            cur[alive] = o.reshape(n, -1)[alive]  # a finished episode keeps its last observation (bootstraps a cut)
+            alive &= ~done
+            if not alive.any():
                 break
         length[alive], truncated[alive] = T, True  # flatrl's own cap, for envs without a TimeLimit: a time-limit cut too
         L = int(length.max())

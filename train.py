@@ -41,21 +41,29 @@ def build(cfg):
 
 
 def micro_batches(batch, size):
-    """The rows in pieces of at most `size` (0 = one piece), grouped by completion length and trimmed of
-    the columns that are padding in all their rows (Batch.trimmed): a two-token answer is no longer padded
-    to the longest completion of the whole batch. Losses add up over pieces, so the gradient is the same.
-    -> [(row indices, Batch)]"""
+    """The rows in pieces of at most `size` (0 = one piece), whole groups together (a group's prompt then runs
+    once: model.HFPolicy.forward_logits; whole when size is a multiple of group_size), groups ordered by their
+    longest completion, and trimmed of the columns that are padding in all their rows (Batch.trimmed): a
+    two-token answer is no longer padded to the longest completion of the whole batch. Losses add up over
+    pieces, so the gradient is the same. -> [(row indices, Batch)]"""
     N, T = batch.mask.shape
-    order = batch.attn[:, -T:].sum(1).argsort(stable=True) if batch.attn is not None else torch.arange(N)
+    if batch.attn is None:
+        return [(idx, batch.rows(idx)) for idx in torch.arange(N).split(size or N)] if N else []
+    _, g = torch.unique(batch.group, return_inverse=True)  # [N] groups numbered 0..G-1
+    longest = torch.zeros(N).scatter_reduce(0, g, batch.attn[:, -T:].sum(1), "amax")[g]  # [N] of the row's group
+    order = (longest * N + g).argsort(stable=True)
     return [(idx, batch.rows(idx).trimmed()) for idx in order.split(size or N)] if N else []
 
 
-def unsplit(pieces, outs, shape):
-    """Per-piece [n, t] outputs of micro_batches back into one [N, T] tensor in the batch's row order."""
-    whole = torch.zeros(shape)
+def unsplit(pieces, outs, whole):
+    """Per-piece [n, t] outputs of micro_batches written into `whole` [N, T] (a new tensor), in the batch's row order."""
+    whole = whole.clone()
     for (idx, _), x in zip(pieces, outs):
         whole[idx, :x.shape[1]] = x.float().cpu()
     return whole
+
+
+GAP_ROWS = 4  # rows that train nothing, scored anyway so that logp_gap (batch_metrics) also sees such rows
 
 
 def score_old(policy, batch, cfg):
@@ -65,21 +73,29 @@ def score_old(policy, batch, cfg):
     old_logp (the ratio is then exactly 1, and one forward pass is saved). A batch sampled elsewhere
     (it carries sampler_logp) always gets old_logp recomputed here: the sampler's numbers are not the
     trainer's, even under the same weights. --old-logp sampler takes the sampler's numbers instead: a
-    teaching ablation of exactly that mistake (README: "Why the trainer recomputes old logprobs")."""
+    teaching ablation of exactly that mistake (README: "Why the trainer recomputes old logprobs").
+    Rows the update will skip (A = 0 everywhere: can_skip_zero) are not scored but for GAP_ROWS of them;
+    their old_logp stays NaN. Where advantages come from rewards alone (no ppo, no KL) they are known here."""
     ablation = cfg.old_logp == "sampler"
     if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and (batch.sampler_logp is None or ablation):
         batch.old_logp = batch.sampler_logp if ablation else None
         return
-    pieces = micro_batches(batch, cfg.micro_batch)
+    skip, nan = torch.zeros(len(batch.mask), dtype=torch.bool), torch.zeros(batch.mask.shape)  # nan: 0 on padding
+    if can_skip_zero(cfg) and not (cfg.kl_coef or cfg.fsdp):  # FSDP: every rank runs the same passes
+        idle = (ADVANTAGES[cfg.algo](batch, cfg)[0] == 0).all(1)  # [N]
+        skip = idle & (idle.cumsum(0) > (GAP_ROWS if batch.sampler_logp is not None else 0))
+        nan[skip] = math.nan
+    rows = (~skip).nonzero()[:, 0]
+    pieces = [(rows[idx], mb) for idx, mb in micro_batches(batch.rows(rows), cfg.micro_batch)]
     with torch.no_grad():
-        outs = [policy.score(mb) for _, mb in pieces]
+        outs = [policy.score(mb, entropy=False) for _, mb in pieces]
         if cfg.kl_coef:
-            batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], batch.mask.shape)  # [N, T]
-        if outs[0]["value"] is not None and batch.final_obs is not None:  # time-limit cuts bootstrap (gae)
+            batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], nan)  # [N, T]
+        if outs and outs[0]["value"] is not None and batch.final_obs is not None:  # time-limit cuts bootstrap (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
-    batch.old_logp = batch.sampler_logp if ablation else unsplit(pieces, [o["logp"] for o in outs], batch.mask.shape)
-    if outs[0]["value"] is not None:
-        batch.values = unsplit(pieces, [o["value"] for o in outs], batch.mask.shape) * batch.mask  # [N, T]
+    batch.old_logp = batch.sampler_logp if ablation else unsplit(pieces, [o["logp"] for o in outs], nan)
+    if outs and outs[0]["value"] is not None:
+        batch.values = unsplit(pieces, [o["value"] for o in outs], nan) * batch.mask  # [N, T]
     if cfg.kl_in_reward:  # per-token reward r_t - kl_coef * (logp - ref_logp); no KL term in the loss
         batch.rewards = batch.rewards - cfg.kl_coef * (batch.old_logp - batch.ref_logp) * batch.mask
         batch.ref_logp = None
@@ -104,7 +120,8 @@ def update(policy, opt, batch, cfg, max_len):
     params = [p for p in policy.parameters() if p.requires_grad]
     skip_zero = can_skip_zero(cfg)
     for _ in range(cfg.epochs):
-        order = torch.randperm(len(batch.mask)) if cfg.minibatches > 1 else torch.arange(len(batch.mask))
+        _, g = torch.unique(batch.group, return_inverse=True)  # shuffled by group: a minibatch holds whole groups
+        order = torch.randperm(int(g.max()) + 1)[g].argsort(stable=True) if cfg.minibatches > 1 else torch.arange(len(g))
         for rows in order.tensor_split(cfg.minibatches):  # exactly `minibatches` on every rank (chunk can give fewer)
             mb = batch.rows(rows)
             mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators
@@ -166,11 +183,11 @@ def batch_metrics(batch, cfg):
     if cfg.group_size > 1:  # groups that teach nothing under grpo / rloo: every sample got the same reward
         out["zero_var_groups"] = (group_stats(R, batch.group)[1] == 0).float().mean().item()
     if batch.sampler_logp is not None:  # async: how far the sampler's logprobs are from the trainer's
-        log_w = batch.old_logp - batch.sampler_logp  # [N, T]
-        out["logp_gap"] = masked_mean(log_w.abs(), batch.mask).item()
+        log_w, seen = (batch.old_logp - batch.sampler_logp).nan_to_num(), batch.mask * batch.old_logp.isfinite()  # [N, T]
+        out["logp_gap"] = masked_mean(log_w.abs(), seen).item()  # over the rows score_old scored
         if cfg.tis_clip:
-            out["tis_weight"] = masked_mean(log_w.exp().clamp(max=cfg.tis_clip), batch.mask).item()
-            out["tis_clipped"] = masked_mean((log_w.exp() > cfg.tis_clip).float(), batch.mask).item()
+            out["tis_weight"] = masked_mean(log_w.exp().clamp(max=cfg.tis_clip), seen).item()
+            out["tis_clipped"] = masked_mean((log_w.exp() > cfg.tis_clip).float(), seen).item()
     return {**out, **batch.stats}
 
 

@@ -153,6 +153,34 @@ def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):
     assert torch.allclose(skipped, full, atol=1e-7, rtol=0)
 
 
+def test_score_old_scores_the_rows_that_train_and_a_few_more_for_logp_gap(tiny_llm, monkeypatch):
+    cfg = llm_cfg(tiny_llm, batch_size=16, group_size=2)  # 8 groups
+    policy = HFPolicy(cfg)
+    _, batch = sampled(policy, cfg)
+    batch.sampler_logp = -torch.ones_like(batch.mask)  # as a worker pushes it: old_logp is rescored
+    batch.rewards = torch.zeros_like(batch.mask)
+    batch.rewards[0, 0] = 1.0  # group 0 varies; groups 1-7 train nothing
+
+    def scored_with(gap_rows):
+        monkeypatch.setattr(train, "GAP_ROWS", gap_rows)
+        b, seen, score = copy.deepcopy(batch), [], policy.score
+        monkeypatch.setattr(policy, "score", lambda mb, **kw: seen.append((len(mb.mask), kw)) or score(mb, **kw))
+        train.score_old(policy, b, cfg)
+        monkeypatch.setattr(policy, "score", score)
+        b.adv, _ = ADVANTAGES["grpo"](b, cfg)
+        return b, seen, updated(policy, b, cfg)
+
+    b, seen, params = scored_with(4)
+    assert sum(n for n, _ in seen) == 2 + 4 and all(kw == {"entropy": False} for _, kw in seen)  # no entropy thrown away
+    scored = b.old_logp.isfinite().all(1)
+    assert scored.tolist() == [True] * 6 + [False] * 10  # group 0, then the first 4 rows that train nothing
+    gap = ((b.old_logp[scored] + 1).abs() * b.mask[scored]).sum() / b.mask[scored].sum()
+    assert train.batch_metrics(b, cfg)["logp_gap"] == pytest.approx(gap.item(), rel=1e-6)
+    every, seen_all, params_all = scored_with(16)
+    assert sum(n for n, _ in seen_all) == 16 and torch.equal(every.old_logp[scored], b.old_logp[scored])
+    assert torch.equal(params, params_all)  # the rows left unscored never reach the update
+
+
 @pytest.mark.parametrize("algo,agg", [("grpo", "token_mean"), ("ppo", "seq_mean_token_sum_norm"),
                                       ("rloo", "seq_mean_token_mean")])
 def test_micro_batch_equals_one_shot(tiny_llm, algo, agg):
@@ -177,7 +205,8 @@ def test_length_grouped_micro_batches_score_the_same_and_compute_less(tiny_llm):
     assert [tuple(mb.obs.shape) for _, mb in pieces] == [(2, 5 + 3), (2, 3 + 12)]  # columns padded in all rows cut
     with torch.no_grad():
         whole = policy.score(batch)["logp"]
-        train.score_old(policy, batch, dataclasses.replace(cfg, epochs=2))  # scored in the two pieces
+        batch.rewards[:, 0] = 1.0  # every row trains under reinforce: score_old scores them all
+        train.score_old(policy, batch, dataclasses.replace(cfg, epochs=2, algo="reinforce"))  # in the two pieces
     assert torch.allclose(batch.old_logp * batch.mask, whole * batch.mask, atol=1e-5, rtol=0)  # in row order
 
 
@@ -195,14 +224,75 @@ def test_flops_count_the_real_tokens_and_match_torch_flop_counter(tiny_llm):
         policy.score(one)
     with FlopCounterMode(display=False) as upd:
         policy.score(one)["logp"].sum().backward()
-    # S = 9 positions, T = 4 scored. The counter sees the matmuls, not the CPU's fused attention, and the LM
-    # head on logits_to_keep = T + 1 positions: ours = its count - 2 d V + attention 2 L d_attn S (S + 1).
-    assert policy.flops(one) == fwd.get_total_flops() - 2 * d * V + 2 * L * d_attn * 9 * 10
+    # S = 8 positions run (the last token predicts nothing), T = 4 scored. The counter sees the matmuls, not the
+    # CPU's fused attention, and one more LM head row (the prompt pass's): ours = its count - 2 d V + attention
+    # 4 L d_attn S (S + 1) / 2.
+    assert policy.flops(one) == fwd.get_total_flops() - 2 * d * V + 2 * L * d_attn * 8 * 9
     # The update's formula also counts input gradients for the first layer's projections, which autograd
     # skips (their input needs none): within 10% on this 2-layer model, less on deeper ones.
-    ratio = policy.flops(one, train=True) / (upd.get_total_flops() - 4 * d * V + 3 * 2 * L * d_attn * 9 * 10)
+    ratio = policy.flops(one, train=True) / (upd.get_total_flops() - 4 * d * V + 3 * 2 * L * d_attn * 8 * 9)
     assert 1.0 <= ratio < 1.1
     assert policy.flops_done == policy.flops(one) + policy.flops(one, train=True)  # score() counts what it runs
+
+
+def test_a_shared_prompt_is_counted_once(tiny_llm):
+    from torch.utils.flop_counter import FlopCounterMode
+    policy = HFPolicy(llm_cfg(tiny_llm, group_size=2))
+    L, d_attn, d, V = policy.dims
+    batch = policy.to_batch([[5, 6, 7, 8, 9]] * 2, [[10, 11, 12, 13], [14, 15, 16, 1]], n=2)  # no padding anywhere
+    with FlopCounterMode(display=False) as fwd, torch.no_grad():
+        policy.score(batch)
+    # prompt pass: p = 4 positions, 1 LM head row; rows: 4 positions each on top of it. 12 positions in all
+    # (16 unshared); causal pairs 2 x 36 - 10 (the prompt's p (p + 1) / 2 once less) = 62.
+    assert policy.flops(batch) == fwd.get_total_flops() - 2 * d * V + 4 * L * d_attn * 62
+    policy.cfg = dataclasses.replace(policy.cfg, group_size=1)  # every row whole
+    saved = 2 * policy.n_mat * 4 + 4 * L * d_attn * 10
+    assert policy.flops(batch) == fwd.get_total_flops() - 2 * d * V + 4 * L * d_attn * 62 + saved
+
+
+def scores_and_grads(policy, batch, cfg):
+    """Everything the loop takes from a policy for this batch: logp, entropy, value, ref_logp and the gradient of a
+    loss using all of them; with the micro-batching of cfg.micro_batch in train.update."""
+    policy.zero_grad()
+    out = {k: [] for k in ("logp", "entropy", "value", "ref")}
+    pieces = train.micro_batches(batch, cfg.micro_batch)
+    for _, mb in pieces:
+        o = policy.score(mb)
+        weight = torch.linspace(-1, 1, mb.mask.numel()).view_as(mb.mask) * mb.mask  # any fixed per-token weights
+        loss = (o["logp"] * weight).sum() + (o["entropy"] * weight).sum() + (0 if o["value"] is None else (o["value"] * weight).sum())
+        loss.backward()
+        out["logp"].append(o["logp"].detach()), out["entropy"].append(o["entropy"].detach())
+        out["value"].append(o["value"].detach() if o["value"] is not None else torch.zeros_like(mb.mask))
+        out["ref"].append(policy.ref_logp(mb))
+    scores = {k: train.unsplit(pieces, v, torch.zeros(batch.mask.shape)) * batch.mask for k, v in out.items()}
+    return scores, torch.cat([p.grad.flatten() for p in policy.params().values() if p.grad is not None])
+
+
+@pytest.mark.parametrize("lora_r,algo", [(4, "grpo"), (0, "grpo"), (4, "ppo")])
+@pytest.mark.parametrize("micro", [0, 4])
+def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora_r, algo, micro):
+    cfg = llm_cfg(tiny_llm, lora_r=lora_r, algo=algo, group_size=3, batch_size=6, kl_coef=0.1, micro_batch=micro)
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)
+    if policy.value_head is not None:  # not zero, or its gradient would not test the hidden states
+        torch.nn.init.normal_(policy.value_head.weight)
+    # two groups of 3, prompts of 6 and 3 tokens (left padding); multi-turn tails with environment tokens (mask 0)
+    prompts = [[5, 6, 7, 8, 9, 10]] * 3 + [[11, 12, 13]] * 3
+    tails = [[20, 21, 1, 30, 31, 22, 1], [23, 1], [24, 25, 26, 27, 28, 29, 1], [40, 41], [42, 1, 30, 43, 1], [44, 45, 46]]
+    masks = [[1, 1, 1, 0, 0, 1, 1], [1, 1], [1] * 7, [1, 1], [1, 1, 0, 1, 1], [1, 1, 1]]
+    batch = policy.to_batch(prompts, tails, masks=masks, n=3)
+    first, inv = policy.shared_prompts(batch)
+    assert len(first) == 2 and len(set(inv[:3].tolist())) == len(set(inv[3:].tolist())) == 1 and inv[0] != inv[3]
+    if micro:  # groups ordered by their longest completion, a group split over two pieces: [3, 4, 5, 0], [1, 2]
+        assert [idx.tolist() for idx, _ in train.micro_batches(batch, micro)] == [[3, 4, 5, 0], [1, 2]]
+    shared, g_shared = scores_and_grads(policy, batch, cfg)
+    policy.cfg = dataclasses.replace(cfg, group_size=1)
+    assert policy.shared_prompts(batch) is None
+    whole, g_whole = scores_and_grads(policy, batch, cfg)
+    for k in shared:
+        assert torch.allclose(shared[k], whole[k], atol=2e-5, rtol=0), k
+    assert shared["value"].abs().sum() > 0 if algo == "ppo" else True
+    assert g_shared.abs().max() > 0 and torch.allclose(g_shared, g_whole, atol=2e-5, rtol=1e-4)
 
 
 def test_train_mfu_is_counted_flops_over_seconds_over_peak(tiny_llm, tmp_path):

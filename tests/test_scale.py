@@ -55,8 +55,11 @@ def test_fsdp_two_ranks_equal_one_process(tiny_llm, tmp_path, lora_r):
     one = llm_cfg(tiny_llm, lora_r=lora_r)
     cfg = dataclasses.replace(one, fsdp=True)  # validate() would want torchrun's WORLD_SIZE: the ranks come from mp.spawn
     policy, batch = shared_batch(one, tmp_path / "batch.safetensors")
+    assert policy.shared_prompts(batch) is not None  # the ranks run each group's prompt once (model.forward_logits) ...
+    unshared = dataclasses.replace(one, group_size=1)  # ... the one process runs every row whole
+    policy.cfg = unshared
     stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch,
-                         one, one.max_new_tokens)
+                         unshared, one.max_new_tokens)
     mp.spawn(_fsdp_rank, args=(free_port(), cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")),
              nprocs=2)
     out = load_file(tmp_path / "out.safetensors")

@@ -46,6 +46,28 @@ def test_rollout_shapes_groups_and_determinism():
     assert torch.equal(again.obs, b.obs) and torch.equal(again.actions, b.actions)
 
 
+@pytest.mark.parametrize("group_size", [1, 2])  # CartPole's own vector env; gymnasium's synchronous wrapper
+def test_vector_env_episodes_replay_exactly_on_single_envs(group_size):
+    cp = "gymnasium.envs.classic_control.cartpole:"
+    gym.register("CartPoleShort-v1", entry_point=cp + "CartPoleEnv", vector_entry_point=cp + "CartPoleVectorEnv",
+                 max_episode_steps=20)  # random actions: some episodes fall, some are cut at 20
+    task, policy, b = rollout(Config(env="CartPoleShort-v1", batch_size=12, group_size=group_size))
+    assert isinstance(task.envs(12), gym.vector.SyncVectorEnv) == (group_size == 2)
+    lengths = b.mask.sum(1).long().tolist()
+    assert 0 < b.truncated.sum() < 12 and all(n == 20 for n, cut in zip(lengths, b.truncated) if cut)
+    for i, n in enumerate(lengths):  # the same start and actions, one env: the same episode, step by step
+        env = gym.make("CartPoleShort-v1")
+        env.reset(seed=0)
+        env.unwrapped.state = b.obs[i, 0].double().numpy()
+        for t in range(n):
+            o, r, term, trunc, _ = env.step(int(b.actions[i, t]))
+            assert r == b.rewards[i, t] and (term or trunc) == (t == n - 1)
+            assert torch.allclose(torch.from_numpy(o), b.final_obs[i] if t == n - 1 else b.obs[i, t + 1])
+        assert trunc and not term if b.truncated[i] else term  # the flag that bootstraps a cut (ppo)
+    if group_size == 2:  # a group shares its start
+        assert torch.equal(b.obs[0, 0], b.obs[1, 0]) and not torch.equal(b.obs[0, 0], b.obs[2, 0])
+
+
 def test_ratio_is_one_on_the_first_epoch():
     cfg = Config(algo="ppo", epochs=3, minibatches=2)
     _, policy, b = rollout(cfg)
