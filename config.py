@@ -54,6 +54,7 @@ class Config:
     eval_split: str = ""  # data task: a split of a hub dataset to hold out from instead (its first n_eval rows)
     question_field: str = "question"  # data task: the column holding the question
     answer_field: str = "answer"  # data task: the column holding the answer (GSM8K's "... #### 42" understood)
+    data_prompt: str = "\nThink step by step, then put the final number in <answer></answer> tags."  # data task: after the question
     digits: int = 1  # arith: digits per operand
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
     max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm

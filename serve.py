@@ -28,7 +28,7 @@ WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prom
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
 FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
-               "max_turns", "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data", "hidden", "lora_r", "lora_alpha",
+               "max_turns", "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data", "data_prompt", "hidden", "lora_r", "lora_alpha",
                "lora_targets")
 
 

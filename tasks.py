@@ -525,7 +525,13 @@ class DataTask(LLMTask):
         if missing := [f for f in fields if f not in ds.column_names]:
             raise SystemExit(f"config error: --data {cfg.data} has no field {missing[0]!r} (it has "
                              f"{', '.join(ds.column_names)}): set --question-field / --answer-field")
-        return [(str(r[fields[0]]), str(r[fields[1]]).split("####")[-1].strip().replace(",", "")) for r in ds]
+        rows = [(r[fields[0]], str(r[fields[1]]).split("####")[-1].strip().replace(",", "")) for r in ds]
+        for i, (q, a) in enumerate(rows):  # refused at load, not by the first evaluation that meets the row
+            if not q or not re.fullmatch(r"-?\d+(\.\d+)?", a):
+                field, value = (fields[0], q) if not q else (fields[1], ds[i][fields[1]])
+                raise SystemExit(f"config error: --data {cfg.data}: row {i + 1} has no usable {field!r} ({value!r}; "
+                                 f"answers must be numbers, e.g. 42 or '... #### 42'): fix or drop that row")
+        return [(str(q), a) for q, a in rows]
 
     def held_out(self):
         return self.held
@@ -534,7 +540,7 @@ class DataTask(LLMTask):
         return self.rows[rng.randrange(len(self.rows))]
 
     def build_prompt(self, question):
-        return question + "\nThink step by step, then put the final number in <answer></answer> tags."
+        return question + self.cfg.data_prompt
 
 
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc, "data": DataTask,

@@ -208,23 +208,25 @@ def setup(cfg):
         cfg.out = broadcast_bytes(fresh_dir(base).encode() if rank() == 0 else None).decode()  # one for all ranks
     cfg.out = cfg.resume or cfg.out
     os.makedirs(cfg.out, exist_ok=True)
-    if rank() == 0:
-        config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     seed_all(cfg.seed)  # one seed for every rank until the policy is built: one initial model (main reseeds)
     if cfg.threads:  # two processes each running the default thread count on one CPU slow each other ~10x
         torch.set_num_threads(cfg.threads)
 
 
-def restore(ckpt_path, policy, opt):
+def restore(ckpt_path, policy, opt, cfg):
     """--resume: weights, optimizer and RNG states. -> (the step to continue from, seconds already run)"""
     mine = policy.params()
     with safe_open(ckpt_path, "pt") as f:  # first: does the checkpoint fit this policy at all?
         theirs = {k[6:]: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("model.")}
     if theirs != {k: tuple(v.shape) for k, v in mine.items()}:
         diff = sorted(set(theirs) ^ set(mine)) or [k for k in theirs if theirs[k] != tuple(mine[k].shape)]
-        raise SystemExit(f"config error: --resume {os.path.dirname(ckpt_path)}: its checkpoint does not fit this policy "
-                         f"({len(diff)} tensors differ, e.g. {diff[0]}); drop the flags that change the model "
-                         "(--lora-r, --lora-targets, --hidden, --algo ppo/other, --model)")
+        run = os.path.dirname(ckpt_path)
+        was = config_lib.load_yaml(os.path.join(run, "config.yaml"))
+        changed = [f"{k} {was.get(k)!r} there, {getattr(cfg, k)!r} here" for k in ("task", "env", "model", "algo", "hidden",
+                   "lora_r", "lora_targets") if was.get(k, getattr(cfg, k)) != getattr(cfg, k)]
+        raise SystemExit(f"config error: --resume {run}: its checkpoint does not fit this policy ({len(diff)} tensors differ, "
+                         f"e.g. {diff[0]}; {', '.join(changed) or 'the same settings'}): drop the flags or --config that "
+                         f"change the model; {run}/config.yaml is unchanged")
     params, meta = load_checkpoint(ckpt_path, opt)
     with torch.no_grad():
         for k, p in mine.items():
@@ -253,16 +255,19 @@ def main(argv=None):
             raise SystemExit("config error: --check-parity compares LLM samplers; pick an LLM task")
         ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
         raise SystemExit(0 if ok else 1)
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
+    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
+    start, t_offset = restore(ckpt_path, policy, opt, cfg) if cfg.resume else (0, 0.0)
+    if cfg.ask:
+        return print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
+    if rank() == 0:  # only now: a refused command (above) leaves the run folder as it was
+        config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
         try:
             return run_worker(cfg, task, policy)
         except KeyboardInterrupt:  # Ctrl-C: only the batch in flight is lost
-            return print("worker stopped")
-    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
-    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
-    start, t_offset = restore(ckpt_path, policy, opt) if cfg.resume else (0, 0.0)
-    if cfg.ask:
-        return print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
+            print("worker stopped")
+            raise SystemExit(130)  # as a shell reports an interrupted command: a script tells it from a finished one
     clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
     log = Logger(cfg.out, start, cfg.steps, cfg)
     if task.llm:
@@ -275,13 +280,15 @@ def main(argv=None):
             policy.save_adapter(os.path.join(cfg.out, "adapter"), params)
         return step
 
-    done, saved = start, start if cfg.resume else None
+    done, saved, interrupted = start, start if cfg.resume else None, False
     try:
         for step in range(start, cfg.steps + 1):
             row = {"step": step}
             if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
                 row.update(task.evaluate(policy, step))  # greedy, held out; step 0 is before any update
             solved = cfg.stop_when_solved and task.solved(row)
+            if world() > 1 and len(row) > 1:  # evaluated: one decision for every rank, rank 0's
+                solved = broadcast_bytes(bytes([solved]) if rank() == 0 else None) == b"\x01"
             if solved or step == cfg.steps:
                 log.log({**row, "time_s": clock()}, done)
                 if solved:
@@ -309,19 +316,26 @@ def main(argv=None):
                 saved = save(done)
     except KeyboardInterrupt:
         log.say(f"interrupted after {done} steps: saving a checkpoint (resume with --resume {cfg.out})")
+        interrupted = True
     if done != saved:
         save(done)
     source.close()
     log.close(cfg.out)
     log.say(results_line(cfg, log, task.llm))
+    if interrupted:
+        raise SystemExit(130)  # checkpoint saved; 130 as a shell reports Ctrl-C, so a script tells it from a finished run
     return policy
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        status = 0
+    except SystemExit as e:  # a config error's one line (status 1), or 130 after Ctrl-C
+        status = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
     # Skip the interpreter's teardown: a last collection over every object the run made (~0.8 s for
     # CartPole), and C++ destructors that can abort a torchrun rank at exit ("terminate called without
     # an active exception"), which leaves the other nodes' torchrun waiting minutes in its exit barrier.
     # Files and trackers are closed by now (main); only the standard streams need a flush.
     sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    os._exit(status or 0)

@@ -424,10 +424,14 @@ class Logger:
                 right = on if on is not ax else right
                 pts = [(r["step"], r.get(key, np.nan)) for r in self.rows  # a step that trained nothing: a gap
                        if key in r or not key.startswith("eval_") and "reward" in r]  # (eval rows come every few steps)
-                lines += on.plot(*zip(*pts), label=key, color=f"C{i}", marker="." if len(pts) < 30 else None)
+                lines += on.plot(*zip(*pts), label=key, color=f"C{i}", linestyle="-" if on is ax else "--",  # the right
+                                 marker=("o" if on is ax else "s") if len(pts) < 30 else None, markersize=4,  # axis: dashed,
+                                 fillstyle="full" if on is ax else "none")  # hollow squares; neither hides the other
             for on in (ax, right):
                 if on is not None:
                     on.set_ylabel(" / ".join(line.get_label() for line in lines if line.axes is on))
+                    if on.dataLim.height == 0 and np.isfinite(v := on.dataLim.y0):  # one value: 0 to it, not +-4%
+                        on.set_ylim(min(0, 1.1 * v), max(0, 1.1 * v) or 1)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
             if len(lines) > 1:

@@ -15,21 +15,31 @@ steps grow, so a median over the first steps flatters it. For flatrl, a per-step
 
     pip install trl && python -c "import model; model.cache_smollm2()"
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm
+
+Time to accuracy: the whole command's seconds (from its first line, imports included) until greedy accuracy on
+the preset's 32 held-out prompts first reaches 0.8, both evaluated every 5 steps (TRL through a callback, on
+the same prompts, greedy, 32 new tokens), per seed; each run stops there (at most --steps steps):
+
+    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --to-acc 0.8 --eval-every 5 --steps 40 --seeds 0 1 --generator hf vllm
 """
 import argparse
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 TRL = """
-import json, sys, time
+import time
+T0 = time.time()  # as train.py's clock: from the first line, imports included
+import json, sys
 sys.path.insert(0, {root!r})
 import torch
 from datasets import Dataset
@@ -41,6 +51,7 @@ from tasks import Arith, numeric_match
 from utils import fast_bf16
 
 steps, seed, ckpt, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+eval_every, target = int(sys.argv[5]), float(sys.argv[6])  # 0: no evaluation
 cfg = Config(task="arith", digits=1, ops="+", batch_size=32, group_size=4, n_eval=32, seed=seed)
 task = Arith(cfg)
 rows = [{{"prompt": [{{"role": "user", "content": q}}], "answer": a}}  # flatrl's prompts, in its order
@@ -49,10 +60,27 @@ rows = [{{"prompt": [{{"role": "user", "content": q}}], "answer": a}}  # flatrl'
 def reward(completions, answer, **kw):
     return [numeric_match(None, c[0]["content"], a) for c, a in zip(completions, answer)]
 
-times, rewards = [], []
-class Clock(TrainerCallback):
-    def on_step_end(self, args, state, control, **kw):
+times, rewards, evals = [], [], []
+class Clock(TrainerCallback):  # greedy accuracy on flatrl's held-out prompts, as flatrl evaluates them
+    def evaluate(self, model, tok, step, control):
+        model.eval()
+        tok.padding_side = "left"
+        chats = [[{{"role": "user", "content": task.build_prompt(q)}}] for q, _ in task.eval_set]
+        enc = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=fast_bf16("cpu")):
+            ids = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        texts = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        acc = sum(numeric_match(None, t, a) for t, (_, a) in zip(texts, task.eval_set)) / len(texts)
+        evals.append((step, time.time() - T0, acc))
+        model.train()
+        control.should_training_stop = acc >= target
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
+        if eval_every:
+            self.evaluate(model, processing_class, 0, control)
+    def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
         times.append(time.time())
+        if eval_every and state.global_step % eval_every == 0:
+            self.evaluate(model, processing_class, state.global_step, control)
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "reward" in logs:
             rewards.append(logs["reward"])
@@ -69,7 +97,7 @@ trainer = GRPOTrainer(model={model!r}, reward_funcs=reward, args=args, train_dat
 t0 = time.time()
 trainer.train()
 step_s = [b - a for a, b in zip([t0] + times[:-1], times)]
-print("RESULT " + json.dumps({{"step_s": step_s, "reward": rewards}}))
+print("RESULT " + json.dumps({{"step_s": step_s, "reward": rewards, "evals": evals}}))
 """
 
 
@@ -85,6 +113,43 @@ def run_flatrl(steps, seed, generator):
     return {"step_s": [b - a for a, b in zip(t, t[1:])], "reward": [float(r["reward"]) for r in rows],
             **{k: col(k) for k in ("gen_s", "score_s", "update_s", "publish_s", "gen_mfu", "train_mfu",
                                    "gen_tok_s", "train_tok_s")}}
+
+
+def flatrl_to(target, every, steps, seed, generator):
+    """Whole-command seconds (train.py's clock, from its first line) until held-out eval_acc first reaches
+    `target`, evaluating every `every` steps; the run is stopped there. -> (seconds or None, [(step, s, acc)])"""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--steps", str(steps), "--eval-every",
+               str(every), "--seed", str(seed), "--generator", generator, "--out", d]
+        proc, evals = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), []
+        while proc.poll() is None and not (evals and evals[-1][2] >= target):
+            time.sleep(0.5)
+            if os.path.exists(f"{d}/metrics.csv"):
+                with open(f"{d}/metrics.csv") as f:
+                    evals = [(int(r["step"]), float(r["time_s"]), float(r["eval_acc"])) for r in csv.DictReader(f) if r.get("eval_acc")]
+        os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine processes too
+        proc.wait()
+    return next((t for _, t, acc in evals if acc >= target), None), evals
+
+
+def time_to_accuracy(a):
+    """Per seed, in turn: flatrl (each generator), then TRL, each until held-out accuracy first reaches a.to_acc."""
+    res = {}
+    for seed in a.seeds:
+        for g in a.generator:
+            res.setdefault(f"flatrl ({g})", []).append(flatrl_to(a.to_acc, a.eval_every, a.steps, seed, g))
+        trl = run_trl(a.steps, seed, a.trl_grad_ckpt, a.eval_every, a.to_acc)["evals"]
+        res.setdefault("TRL GRPOTrainer", []).append((next((t for _, t, acc in trl if acc >= a.to_acc), None), trl))
+        for k, v in res.items():
+            print(f"seed {seed} {k}: {v[-1][0]} s; evaluations (step, s, acc): "
+                  f"{[(s, round(t), round(acc, 2)) for s, t, acc in v[-1][1]]}", flush=True)
+    print(f"\n| seed | " + " | ".join(res) + " | " + " | ".join(f"{k} vs TRL" for k in res if k.startswith("flatrl")) + " |")
+    print("|---" * (1 + len(res) + len(a.generator)) + "|")
+    fmt = lambda t: f"{t:.0f} s" if t is not None else f"not within {a.steps} steps"  # noqa: E731
+    for i, seed in enumerate(a.seeds):
+        trl = res["TRL GRPOTrainer"][i][0]
+        ratios = [f"{v[i][0] / trl:.2f}x" if v[i][0] and trl else "-" for k, v in res.items() if k.startswith("flatrl")]
+        print(f"| {seed} | " + " | ".join(fmt(v[i][0]) for v in res.values()) + " | " + " | ".join(ratios) + " |")
 
 
 def floor_table(name, runs):
@@ -103,11 +168,11 @@ def floor_table(name, runs):
           f"{statistics.median(gmfu):.1%}, train_mfu {statistics.median(tmfu):.1%}")
 
 
-def run_trl(steps, seed, ckpt):
+def run_trl(steps, seed, ckpt, eval_every=0, target=1.0):
     with tempfile.TemporaryDirectory() as d:
         code = TRL.format(root=ROOT, model=MODEL)
-        out = subprocess.run([sys.executable, "-c", code, str(steps), str(seed), str(int(ckpt)), d], cwd=ROOT,
-                             capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", code, str(steps), str(seed), str(int(ckpt)), d, str(eval_every),
+                              str(target)], cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     res = json.loads(out.stdout.split("RESULT ")[-1])
@@ -122,9 +187,14 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator", nargs="+", default=["hf"], choices=["hf", "vllm"])
     p.add_argument("--trl-grad-ckpt", action="store_true")
+    p.add_argument("--to-acc", type=float, help="instead: seconds until held-out accuracy first reaches this, per seed")
+    p.add_argument("--eval-every", type=int, default=5, help="with --to-acc: evaluate every N steps, both alike")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="with --to-acc")
     a = p.parse_args()
-    if a.steps < 3 or a.rounds < 1:
-        p.error("--steps must be >= 3 and --rounds >= 1")
+    if a.steps < 3 or a.rounds < 1 or a.eval_every < 1:
+        p.error("--steps must be >= 3, --rounds and --eval-every >= 1")
+    if a.to_acc is not None:
+        return time_to_accuracy(a)
     runs = {f"flatrl ({g})": lambda g=g: run_flatrl(a.steps, a.seed, g) for g in a.generator}
     runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
     res = {k: [] for k in runs}

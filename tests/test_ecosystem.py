@@ -52,6 +52,27 @@ def test_data_mistakes_are_one_line_errors(tmp_path, tiny_llm, kw, needle):
     assert run.stderr.startswith("config error: --") and needle in run.stderr
 
 
+def test_rows_without_a_usable_answer_are_refused_at_load(tmp_path, tiny_llm):
+    rows = [{k: v for k, v in r.items() if k != "answer" or i % 5 != 4} for i, r in enumerate(ROWS)]  # every fifth
+    path = write(tmp_path / "rows.jsonl", "jsonl", rows)
+    run = subprocess.run([sys.executable, "train.py", "--task", "data", "--model", tiny_llm, "--data", path, "--n-eval", "4",
+                          "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith(f"config error: --data {path}: row 5 has no usable 'answer' (None;")
+    assert not os.listdir(tmp_path / "r")  # refused before anything was written
+
+
+def test_the_data_cpu_preset_asks_for_a_short_answer():
+    cfg = config.parse(["--config", "configs/data_grpo_cpu.yaml"])
+    task = DataTask(cfg)  # the shipped file, as shipped
+    assert len(task.rows) == 240 - 32 and len(task.eval_set) == 32
+    q, a = task.eval_set[0]
+    assert task.build_prompt(q) == q + " Reply with just the number." and a.isdigit()
+    default = DataTask(config.parse(["--config", "configs/data_grpo_cpu.yaml", "--data-prompt", config.Config.data_prompt]))
+    assert "<answer>" in default.build_prompt(q)  # the GSM8K-style default stays for the hub presets
+
+
 def test_the_gsm8k_preset_names_the_hub_dataset():
     cfg = config.parse(["--config", "configs/gsm8k_grpo_gpu.yaml"])
     assert (cfg.task, cfg.data, cfg.data_config, cfg.eval_split) == ("data", "openai/gsm8k", "main", "test")
@@ -101,6 +122,24 @@ def test_the_run_picture_has_a_panel_per_metric_group(tmp_path):
     # 4.2 x 3.1 in at 90 dpi; the sixth cell (staleness, async runs only) is left blank
     assert (width, height) == (round(3 * 4.2 * 90), round(2 * 3.1 * 90))
     assert (img[height // 2 + 5:, 2 * width // 3 + 5:, :3] == 1).all() and not (img[height // 2 + 5:, :width // 3, :3] == 1).all()
+
+
+def test_twin_axis_series_stay_apart_and_a_constant_one_gets_a_range(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+    from utils import Logger
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: figs.append(fig))
+    log = Logger(str(tmp_path), 0, 2, config.Config(steps=2))
+    for step in (1, 2):  # few points; length on the left, truncated on its own right-hand axis; reward constant
+        log.log({"step": step, "time_s": step, "reward": 1.0, "length": 20.0 + step, "truncated": 0.5}, step)
+    log.close(str(tmp_path))
+    axes = {line.get_label(): line for ax in figs[0].axes for line in ax.get_lines()}
+    left, right = axes["length"], axes["truncated"]
+    assert left.axes is not right.axes  # two scales ...
+    assert (left.get_linestyle(), left.get_marker()) != (right.get_linestyle(), right.get_marker())  # ... told apart
+    assert right.get_fillstyle() == "none"  # hollow: a marker under the other's still shows
+    assert axes["reward"].axes.get_ylim() == pytest.approx((0, 1.1))  # not 0.96-1.04 around the one value
+    assert axes["truncated"].axes.get_ylim() == pytest.approx((0, 0.55))
 
 
 def test_help_is_grouped_by_the_sections_of_config_py(capsys):

@@ -220,6 +220,7 @@ def test_resume_with_flags_that_change_the_model_is_a_one_line_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert run.stderr.strip().startswith("config error: --resume") and "does not fit this policy" in run.stderr
+    assert "hidden 64 there, 32 here" in run.stderr
 
 
 # --- data parallelism trains one model: same start, same decisions, same steps ------------------------------
@@ -256,6 +257,11 @@ if os.environ.get("NAN_AT") and int(os.environ["RANK"]) == 1:  # rank 1 alone se
         loss, stats = loss_fn(*args, **kw)
         return (loss * float("nan") if len(steps) - 1 == int(os.environ["NAN_AT"]) else loss), stats
     train.pg_loss, train.update = poisoned, counting_update
+if os.environ.get("SOLVED_ON_RANK0_AT"):  # the ranks' evaluations disagree: only rank 0's says solved, at that step
+    def disagreeing(self, policy, step):
+        solved = step == int(os.environ["SOLVED_ON_RANK0_AT"]) and int(os.environ["RANK"]) == 0
+        return {"eval_return": 500.0 if solved else 10.0}
+    tasks.GymTask.evaluate = disagreeing
 policy = train.main(sys.argv[1:])
 record("trained", policy)
 if rank() == 0:
@@ -271,6 +277,26 @@ def ranks_run(tmp_path, name, *args, env=None, timeout=240):
     finish(torchrun(*args, "--out", str(out), script=str(script), env=env), timeout=timeout)
     with open(out / "metrics.csv") as f:
         return list(csv.DictReader(f)), json.load(open(out / "diffs.json"))
+
+
+def test_ranks_stop_together_on_rank_0s_decision(tmp_path):
+    rows, _ = ranks_run(tmp_path, "solved", "--task", "cartpole", "--steps", "8", "--eval-every", "2",
+                        env={"SOLVED_ON_RANK0_AT": "4"})  # rank 1 alone would go on and wait for rank 0 forever
+    assert [r["step"] for r in rows][-1] == "4" and float(rows[-1]["eval_return"]) == 500
+
+
+def test_launch_sh_checks_its_preconditions_in_one_line_each(tmp_path):
+    launch = os.path.join(ROOT, "configs", "cluster", "launch.sh")
+    base = {k: v for k, v in os.environ.items() if k != "FLATRL_TOKEN"}
+    cases = [({"ROLE": "trainer", "HEAD": "127.0.0.1", "CONFIG": "configs/cartpole_grpo.yaml"}, "set FLATRL_TOKEN"),
+             ({"ROLE": "trainer", "HEAD": "no-such-host.invalid", "CONFIG": "configs/cartpole_grpo.yaml", "BIND": "127.0.0.1"},
+              "does not resolve"),
+             ({"ROLE": "rollout", "HEAD": "127.0.0.1", "CONFIG": "configs/nope.yaml"}, "is not a file"),
+             ({"ROLE": "worker", "HEAD": "127.0.0.1", "CONFIG": "configs/cartpole_grpo.yaml"}, "ROLE=trainer or ROLE=rollout")]
+    for env, needle in cases:
+        run = subprocess.run(["bash", launch], env={**base, **env}, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and needle in run.stderr, run.stderr
+        assert run.stdout == ""  # torchrun never started
 
 
 def test_data_parallel_cartpole_ranks_hold_one_model(tmp_path):

@@ -68,6 +68,22 @@ def test_vector_env_episodes_replay_exactly_on_single_envs(group_size):
         assert torch.equal(b.obs[0, 0], b.obs[1, 0]) and not torch.equal(b.obs[0, 0], b.obs[2, 0])
 
 
+def folder_bytes(run):
+    return {f: open(os.path.join(run, f), "rb").read() for f in sorted(os.listdir(run))}
+
+
+def test_refusals_leave_the_run_folder_byte_identical(tmp_path, tiny_llm):
+    run = tmp_path / "r"
+    train.main(["--task", "cartpole", "--steps", "2", "--out", str(run)])
+    before = folder_bytes(run)
+    for argv, needle in [(["--task", "arith", "--model", tiny_llm], "task 'cartpole' there, 'arith' here"),  # --config too
+                         (["--ask", "hi"], "--ask answers with a trained LLM run"),
+                         (["--algo", "grpo"], "a group of one has nothing to compare")]:
+        with pytest.raises(SystemExit) as e:
+            train.main(["--resume", str(run), *argv])
+        assert needle in str(e.value) and folder_bytes(run) == before
+
+
 def test_ratio_is_one_on_the_first_epoch():
     cfg = Config(algo="ppo", epochs=3, minibatches=2)
     _, policy, b = rollout(cfg)

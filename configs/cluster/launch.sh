@@ -8,8 +8,18 @@
 # FLATRL_TOKEN set on every node), RDZV_PORT; any arguments are passed on to train.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-: "${ROLE:?ROLE=trainer or ROLE=rollout}" "${HEAD:?HEAD=the first trainer node}" "${CONFIG:?CONFIG=a preset}"
+fail() { echo "launch.sh: $*" >&2; exit 2; }  # each precondition: one line, before anything starts
+[ "${ROLE:-}" = trainer ] || [ "${ROLE:-}" = rollout ] || fail "set ROLE=trainer or ROLE=rollout"
+[ -n "${HEAD:-}" ] || fail "set HEAD to the first trainer node's host name or address (127.0.0.1 on one machine)"
+[ -f "${CONFIG:-}" ] || fail "set CONFIG to a preset file, e.g. CONFIG=configs/arith_grpo_cpu.yaml (${CONFIG:-unset} is not a file)"
 PORT=${PORT:-8000}
+[[ "$PORT" =~ ^[0-9]+$ ]] || fail "PORT=$PORT is not a port number"
+getent hosts "$HEAD" > /dev/null || fail "HEAD=$HEAD does not resolve to an address on this node"
+case "${BIND:-0.0.0.0}" in
+  127.*|localhost|::1) ;;
+  *) [ "$ROLE" = rollout ] || [ -n "${FLATRL_TOKEN:-}" ] || fail "BIND=${BIND:-0.0.0.0} serves beyond this machine: set \
+FLATRL_TOKEN (the same secret on every node), or BIND=127.0.0.1 to run on one machine" ;;
+esac
 if [ "$ROLE" = trainer ]; then
   # Static rendezvous, not c10d: c10d numbers nodes by sorted host name, so global rank 0, the one that
   # serves HTTP, could land on any node; --node-rank 0 pins it to HEAD, where the workers look for it.
