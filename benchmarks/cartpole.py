@@ -60,12 +60,37 @@ def flatrl(args, seed):
     return wall, int(env_steps) if seen else None, seen
 
 
+def stays_solved(seeds, steps, flags):
+    """--stay: the default command run on past solving (--no-stop-when-solved), greedy evaluation every 5 steps;
+    per seed, the step and second of the first solve and the share of evaluations >= 475 in the 100 steps after."""
+    out = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as d:
+            timed([sys.executable, "train.py", "--task", "cartpole", "--algo", "reinforce", "--no-stop-when-solved",
+                   "--steps", str(steps), "--eval-every", "5", "--seed", str(seed), "--out", d, *flags])
+            with open(f"{d}/metrics.csv") as f:
+                evals = [(int(r["step"]), float(r["time_s"]), float(r["eval_return"])) for r in csv.DictReader(f) if r.get("eval_return")]
+        first = next(((s, t) for s, t, ret in evals if ret >= 475), None)
+        after = [ret for s, _, ret in evals if first and first[0] < s <= first[0] + 100]
+        share = sum(ret >= 475 for ret in after) / len(after) if after else None
+        out.append((first, share))
+        print(f"seed {seed} {' '.join(flags) or 'defaults'}: first solved {first}, share >= 475 after it {share} "
+              f"({[round(r) for _, _, r in evals]})", flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--no-sb3", action="store_true")
     p.add_argument("--default-only", action="store_true", help="only the default command (and SB3)")
-    a = p.parse_args()
+    p.add_argument("--stay", action="store_true", help="instead: does the default command (plus any train.py flags "
+                   "given after these) stay solved?")
+    a, flags = p.parse_known_args()
+    if a.stay:
+        return stays_solved(range(a.seeds), 300, flags)
+    if flags:
+        p.error(f"unrecognized arguments: {' '.join(flags)}")
     jobs = {"reinforce (default command)": ["--task", "cartpole", "--algo", "reinforce"]}
     jobs.update({algo: ["--config", f"configs/cartpole_{algo}.yaml"] for algo in ALGOS[1:] if not a.default_only})
     res = {name: [] for name in list(jobs) + ([] if a.no_sb3 else ["sb3 PPO"])}
