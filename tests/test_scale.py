@@ -265,7 +265,10 @@ if os.environ.get("SOLVED_ON_RANK0_AT"):  # the ranks' evaluations disagree: onl
 policy = train.main(sys.argv[1:])
 record("trained", policy)
 if rank() == 0:
-    json.dump(diffs, open(os.path.join(sys.argv[sys.argv.index("--out") + 1], "diffs.json"), "w"))
+    with open(os.path.join(sys.argv[sys.argv.index("--out") + 1], "diffs.json"), "w") as f:
+        json.dump(diffs, f)
+sys.stdout.flush(), sys.stderr.flush()
+os._exit(0)  # as train.py ends: no teardown, whose C++ destructors can abort a rank ("terminate called ...")
 """
 
 
