@@ -47,12 +47,12 @@ def micro_batches(batch, size):
     two-token answer is no longer padded to the longest completion of the whole batch. Losses add up over
     pieces, so the gradient is the same. -> [(row indices, Batch)]"""
     N, T = batch.mask.shape
-    if batch.attn is None:
+    if not N or batch.attn is None:
         return [(idx, batch.rows(idx)) for idx in torch.arange(N).split(size or N)] if N else []
     _, g = torch.unique(batch.group, return_inverse=True)  # [N] groups numbered 0..G-1
     longest = torch.zeros(N).scatter_reduce(0, g, batch.attn[:, -T:].sum(1), "amax")[g]  # [N] of the row's group
     order = (longest * N + g).argsort(stable=True)
-    return [(idx, batch.rows(idx).trimmed()) for idx in order.split(size or N)] if N else []
+    return [(idx, batch.rows(idx).trimmed()) for idx in order.split(size or N)]
 
 
 def unsplit(pieces, outs, whole):
@@ -75,14 +75,15 @@ def score_old(policy, batch, cfg):
     trainer's, even under the same weights. --old-logp sampler takes the sampler's numbers instead: a
     teaching ablation of exactly that mistake (README: "Why the trainer recomputes old logprobs").
     Rows the update will skip (A = 0 everywhere: can_skip_zero) are not scored but for GAP_ROWS of them;
-    their old_logp stays NaN. Where advantages come from rewards alone (no ppo, no KL) they are known here."""
+    their old_logp stays NaN. Where advantages come from rewards alone (no ppo, no KL) they are computed here."""
     ablation = cfg.old_logp == "sampler"
     if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and (batch.sampler_logp is None or ablation):
         batch.old_logp = batch.sampler_logp if ablation else None
         return
     skip, nan = torch.zeros(len(batch.mask), dtype=torch.bool), torch.zeros(batch.mask.shape)  # nan: 0 on padding
     if can_skip_zero(cfg) and not (cfg.kl_coef or cfg.fsdp):  # FSDP: every rank runs the same passes
-        idle = (ADVANTAGES[cfg.algo](batch, cfg)[0] == 0).all(1)  # [N]
+        batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
+        idle = (batch.adv == 0).all(1)  # [N]
         skip = idle & (idle.cumsum(0) > (GAP_ROWS if batch.sampler_logp is not None else 0))
         nan[skip] = math.nan
     rows = (~skip).nonzero()[:, 0]
@@ -119,8 +120,8 @@ def update(policy, opt, batch, cfg, max_len):
     sums, losses, skipped, norms = {}, [], 0, []
     params = [p for p in policy.parameters() if p.requires_grad]
     skip_zero = can_skip_zero(cfg)
+    _, g = torch.unique(batch.group, return_inverse=True)  # minibatches shuffle whole groups
     for _ in range(cfg.epochs):
-        _, g = torch.unique(batch.group, return_inverse=True)  # shuffled by group: a minibatch holds whole groups
         order = torch.randperm(int(g.max()) + 1)[g].argsort(stable=True) if cfg.minibatches > 1 else torch.arange(len(g))
         for rows in order.tensor_split(cfg.minibatches):  # exactly `minibatches` on every rank (chunk can give fewer)
             mb = batch.rows(rows)
@@ -302,7 +303,8 @@ def main(argv=None):
             with source.weights(batch):
                 score_old(policy, batch, cfg)
             timer("score_s")
-            batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
+            if batch.adv is None:  # (score_old computed them where it needed them)
+                batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
             # 3 - update
             stats = update(policy, opt, batch, cfg, task.max_len)
             timer("update_s")
