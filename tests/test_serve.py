@@ -100,9 +100,12 @@ def test_trainer_and_two_workers_end_to_end(tmp_path):
 
 def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     port = free_port()
+    workers = [spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1",
+                     "--connect-timeout", "300", cwd=tmp_path) for _ in range(8)]  # one command, default folders, one folder
+    # the trainer starts once every worker is up (its config written): a worker still importing when a fast trainer
+    # had already finished would find no one to connect to
+    wait_for(lambda: len([f for f in os.listdir(tmp_path / "runs") if os.path.exists(tmp_path / "runs" / f / "config.yaml")]) == 8, 240)
     trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
-    workers = [spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1", cwd=tmp_path)
-               for _ in range(8)]  # the same command, default output folders, in one folder
     finish(trainer, timeout=300)
     assert all("training finished" in finish(w, timeout=120) for w in workers)  # none crashed, each exited by itself
     folders = os.listdir(tmp_path / "runs")
