@@ -13,6 +13,10 @@ import re
 import yaml
 
 ONE_SHOT = ("check_parity", "ask")  # act once and exit: never written to a run's config.yaml
+DTYPES = ("auto", "bfloat16", "float32", "float16")
+CHOICES = {"role": ("sync", "trainer", "rollout"), "credit": ("episode", "turn"), "gen_dtype": DTYPES, "generator": ("hf", "vllm"),
+           "vllm_lora": ("merge", "adapter"), "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+           "kl_estimator": ("k1", "k2", "k3"), "wire_dtype": DTYPES, "old_logp": ("trainer", "sampler")}  # fields with fixed names
 
 
 @dataclasses.dataclass
@@ -110,17 +114,19 @@ class Config:
     tis_clip: float = 0.0  # truncated importance weight min(exp(old_logp - sampler_logp), C) (0 = off)
     old_logp: str = "trainer"  # trainer: recomputed under the weights that sampled; sampler: teaching ablation only (README)
 
-    def validate(self):
+    def validate(self, choices=()):
+        """Reject bad values and combinations with a message that names the fix. `choices`: more fields with a
+        fixed set of names (train.py passes --task's and --algo's registries)."""
         def need(ok, msg):
             if not ok:
                 raise SystemExit(f"config error: {msg}")
+        for key, names in {**CHOICES, **dict(choices)}.items():
+            value = getattr(self, key)
+            need(value in names, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
         need(self.batch_size % self.group_size == 0,
              f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
         need(self.eps_high >= self.eps, f"eps_high {self.eps_high} < eps {self.eps}: set --eps-high >= --eps")
         need(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1 (3 is usual)")
-        need(self.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-             f"loss_agg {self.loss_agg!r}: use token_mean, seq_mean_token_mean or seq_mean_token_sum_norm")
-        need(self.kl_estimator in ("k1", "k2", "k3"), f"kl_estimator {self.kl_estimator!r}: use k1, k2 or k3")
         ranks = int(os.environ.get("WORLD_SIZE", 1))
         need(self.batch_size // self.group_size % ranks == 0,
              f"{self.batch_size // self.group_size} prompts per step do not split over {ranks} ranks: change --batch-size")
@@ -130,24 +136,16 @@ class Config:
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
              "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
         need(not self.kl_in_reward or self.algo == "ppo", "kl_in_reward needs per-token credit: use --algo ppo")
-        dtypes = ("auto", "bfloat16", "float32", "float16")
-        need(self.gen_dtype in dtypes, f"gen_dtype {self.gen_dtype!r}: use one of {dtypes}")
-        need(self.wire_dtype in dtypes, f"wire_dtype {self.wire_dtype!r}: use one of {dtypes}")
-        need(self.role in ("sync", "trainer", "rollout"), f"role {self.role!r}: use sync, trainer or rollout")
         need(self.role != "rollout" or self.trainer_url, "a rollout worker needs --trainer-url http://HOST:PORT")
         need(self.max_staleness >= 0 and self.max_queue >= 1, "max_staleness must be >= 0 and max_queue >= 1")
-        need(self.generator in ("hf", "vllm"), f"generator {self.generator!r}: use hf or vllm")
-        need(self.vllm_lora in ("merge", "adapter"), f"vllm_lora {self.vllm_lora!r}: use merge or adapter")
         need(self.generator == "hf" or self.vllm_lora == "merge" or self.lora_r > 0,
              "--vllm-lora adapter serves LoRA adapters; full fine-tuning (lora_r 0) needs --vllm-lora merge")
         need(self.tis_clip == 0 or self.tis_clip >= 1,
              f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
-        need(self.old_logp in ("trainer", "sampler"), f"old_logp {self.old_logp!r}: use trainer (or sampler, the ablation)")
         need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"}, f"log_to {self.log_to!r}: use tensorboard, wandb or both")
         need(self.peak_tflops >= 0, "peak_tflops must be >= 0 (0 = measure the device once)")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
-        need(self.credit in ("episode", "turn"), f"credit {self.credit!r}: use episode or turn")
         need(0 < self.turn_discount <= 1 and self.max_tool_calls >= 0, "turn_discount must be in (0, 1], max_tool_calls >= 0")
         need(self.credit == "episode" or self.algo != "grpo" or not self.norm_std, "--credit turn with grpo's std division "
              "is biased (the std includes the episode itself, over episodes the policy chose to prolong): add --no-norm-std")
@@ -228,7 +226,7 @@ def parse(argv=None, choices=None):
     groups = {}  # --help lists the flags under config.py's section comments
     for f in dataclasses.fields(Config):
         (help, section), flag = helps[f.name], "--" + f.name.replace("_", "-")
-        help += f" [{', '.join(choices[f.name])}]" if f.name in choices else ""
+        help += f" [{', '.join(names)}]" if (names := {**CHOICES, **choices}.get(f.name)) else ""
         group = groups.setdefault(section, parser.add_argument_group(section))
         if f.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
@@ -243,12 +241,7 @@ def parse(argv=None, choices=None):
     if args.get("resume"):  # a resumed run keeps its own config; flags (e.g. --steps) still win
         preset = {**resumed(args["resume"]), **preset}
     cfg = Config(**{**preset, **args})
-    for key, names in choices.items():
-        value = getattr(cfg, key)
-        if value not in names:
-            raise SystemExit(f"config error: {key} {value!r} is unknown{_closest(value, list(names))}; "
-                             f"pick one of {', '.join(names)}")
-    return cfg.validate()
+    return cfg.validate(choices)
 
 
 def save(cfg, path):

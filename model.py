@@ -3,6 +3,7 @@
     params() -> {name: tensor} of the trainable weights (what checkpoints save)
 and control policies add act(obs, greedy) -> actions [B] for batched environment stepping.
 """
+import contextlib
 import copy
 import logging
 import os
@@ -130,14 +131,12 @@ class HFGenerator:
         self.cfg, self.stop_ids, self.pad_id = cfg, stop_ids, pad_id
         self.lm = copy.deepcopy(lm).to(getattr(torch, cfg.gen_dtype)).eval().requires_grad_(False)
         self.lm.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id)
-        common = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
-        self.configs = {True: GenerationConfig(do_sample=False, **common),
-                        False: GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, **common)}
 
     def config(self, greedy, max_new=None):
-        gen = copy.copy(self.configs[greedy])
-        gen.max_new_tokens = max_new or self.cfg.max_new_tokens
-        return gen
+        from transformers import GenerationConfig
+        knobs = {} if greedy else dict(temperature=self.cfg.temperature, top_k=0, top_p=1.0)
+        return GenerationConfig(do_sample=not greedy, max_new_tokens=max_new or self.cfg.max_new_tokens,
+                                eos_token_id=self.stop_ids, pad_token_id=self.pad_id, **knobs)
 
     def sync(self, policy):
         self.lm.load_state_dict(merged_weights(policy), strict=False)  # copy_ casts to gen_dtype
@@ -167,11 +166,8 @@ class HFGenerator:
         logits = self.lm(input_ids=batch.obs, attention_mask=batch.attn).logits[:, -batch.actions.shape[1] - 1:-1]
         return torch.log_softmax(logits.float(), -1).gather(-1, batch.actions[..., None])[..., 0]
 
-    def cut(self, ids):
-        for j, t in enumerate(ids):
-            if t in self.stop_ids:
-                return ids[:j + 1]
-        return ids
+    def cut(self, ids):  # up to and with the first stop token
+        return next((ids[:j + 1] for j, t in enumerate(ids) if t in self.stop_ids), ids)
 
 
 class VLLMGenerator:
@@ -392,10 +388,8 @@ class HFPolicy(nn.Module):
         """logp of the sampled tokens under the reference policy (kl_coef > 0)."""
         self.flops_done += self.flops(batch)
         batch = batch.to(self.device)
-        if self.ref is not None:
-            return self.token_logp(self.forward_logits(self.ref[0], batch)[0], batch.actions)[0]
-        with self.lm.disable_adapter():
-            return self.token_logp(self.forward_logits(self.lm, batch)[0], batch.actions)[0]
+        with self.lm.disable_adapter() if self.ref is None else contextlib.nullcontext():  # LoRA: the base model
+            return self.token_logp(self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0], batch.actions)[0]
 
     def sample(self, seqs, n, greedy=False, record=None, max_new=None):
         """Token id lists -> (n continuations of each, cut after a stop token; the sampler's logprob of
@@ -491,7 +485,6 @@ def cache_smollm2(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"):
     """
     import glob
     import importlib.util
-    import os
 
     from huggingface_hub.constants import HF_HUB_CACHE
     from transformers import AutoModelForCausalLM, AutoTokenizer

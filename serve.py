@@ -197,12 +197,10 @@ def make_handler(hub, cfg, expect, token):
                 return self.fail(404, f"no endpoint {self.path}")
             if not self.authorized():
                 return self.fail(401, "missing or wrong bearer token")
-            try:
-                size = int(self.headers.get("Content-Length", ""))
-                assert size >= 0
-            except (ValueError, AssertionError):
+            size = self.headers.get("Content-Length", "")
+            if not size.isdecimal():
                 return self.fail(411, "a non-negative integer Content-Length is required")
-            if size > limit:
+            if (size := int(size)) > limit:
                 return self.fail(413, f"body of {size} bytes is over the {limit}-byte limit (body_limit_mb)")
             body = self.rfile.read(size)
             if len(body) != size:

@@ -49,10 +49,9 @@ class GymTask:
         self.eval_seeds = [2**31 + i for i in range(cfg.eval_episodes)]  # training seeds are < 2**31
 
     def envs(self, n):
-        """n copies of the env stepped as one: the env's own vector version where it has one (CartPole's steps
-        all n in numpy at once) and episodes need no shared starts (group_size 1; it takes one seed for all n),
-        else gymnasium's synchronous wrapper (a seed per episode). Either resets a finished episode on the
-        step after the one that ended it (NEXT_STEP), so the observation that step returned is its last."""
+        """n copies of the env stepped as one: the env's own vector version (CartPole steps all n in numpy, from one
+        seed) where it has one and starts are not shared (group_size 1), else the synchronous wrapper (a seed each).
+        Both reset a finished episode on the step after it ended (NEXT_STEP): what that step returned is its last."""
         if n not in self.vecs:
             own = gym.spec(self.cfg.env).vector_entry_point is not None and self.cfg.group_size == 1
             self.vecs[n] = (gym.make_vec(self.cfg.env, n, "vector_entry_point") if own else
@@ -106,15 +105,10 @@ def answer_tag(text):
     return found[-1].strip() if found else None
 
 
-def first_number(text):
-    m = re.search(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
-    return float(m.group()) if m else None
-
-
 def numeric_match(prompt, completion, answer):
     """1 if the first number of the reply (of its <answer> tag, when it has one) equals the answer."""
-    x = first_number(answer_tag(completion) or completion)
-    return float(x is not None and abs(x - float(answer)) < 1e-6)
+    x = re.search(r"-?\d+(?:\.\d+)?", (answer_tag(completion) or completion).replace(",", ""))
+    return float(x is not None and abs(float(x.group()) - float(answer)) < 1e-6)
 
 
 def format_reward(prompt, completion, answer):
@@ -172,9 +166,6 @@ class LLMTask:
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
         self.eval_set = self.held_out()
         self.held_keys = {q for q, _ in self.eval_set}
-
-    def problem(self, rng):
-        raise NotImplementedError
 
     def held_out(self):
         rng, found = random.Random(10**9), {}

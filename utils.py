@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -14,6 +15,7 @@ import numpy as np
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -163,27 +165,19 @@ def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.jso
     takes ~50 ms (a bf16 matmul emulated on an AVX2 CPU is ~100x slower than fp32), measured once per
     device, dtype, thread count and torch version, then read from `cache`."""
     device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:  # the CPU's model name where Linux gives it
-        with open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else open(os.devnull) as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    cpu = re.findall(r"model name\s*: (.*)", open("/proc/cpuinfo").read()) if os.path.exists("/proc/cpuinfo") else []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (cpu + ["cpu"])[0]
     key = f"{name} | {dtype} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-    known = {}
-    if os.path.exists(cache):
-        with open(cache) as f:
-            known = json.load(f)
+    known = json.load(open(cache)) if os.path.exists(cache) else {}
     if key not in known:
-        best, n = 0.0, 256
-        while n <= 4096:
+        best, n, took = 0.0, 256, 0.0
+        while n <= 4096 and took < 0.05:
             a = torch.ones(n, n, device=device, dtype=getattr(torch, dtype))  # not randn: the run's RNG stays untouched
             for _ in range(3):
                 t = time.perf_counter()
                 (a @ a).sum().item()  # .item() waits for a GPU
                 took = time.perf_counter() - t
                 best = max(best, 2 * n ** 3 / took)
-            if took > 0.05:
-                break
             n *= 2
         known[key] = best
         os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -312,7 +306,6 @@ def load_checkpoint(path, opt):
     """-> (params name -> whole tensor, meta). Every rank reads the file (a shared filesystem across nodes) and
     restores the optimizer, laid out like its parameters (shards under FSDP), and its own RNG states (resumed on
     another number of ranks, each keeps the seed it was given)."""
-    from safetensors import safe_open
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
     tensors = load_file(path)

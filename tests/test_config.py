@@ -31,10 +31,10 @@ def test_config_round_trips_through_the_run_dir(tmp_path):
     (["--eps", "0.3"], "--eps-high >= --eps"),
     (["--dual-clip", "0.5"], "> 1"),
     (["--loss-agg", "mean"], "token_mean"),
-    (["--kl-estimator", "k4"], "k1, k2 or k3"),
+    (["--kl-estimator", "k4"], "pick one of k1, k2, k3"),
     (["--tis-clip", "0.5"], "tis_clip 0.5 < 1 would down-weight every token"),
     (["--generator", "vllm", "--vllm-lora", "adapter", "--lora-r", "0"], "needs --vllm-lora merge"),
-    (["--old-logp", "mine"], "use trainer (or sampler, the ablation)"),
+    (["--old-logp", "mine"], "pick one of trainer, sampler"),
     (["--batch-size", "6", "--group-size", "4", "--algo", "grpo"], "multiple of group_size"),
 ])
 def test_rejections_name_the_fix(argv, needle):
