@@ -8,10 +8,27 @@ from utils import Batch, all_reduce_sum, discounted_cumsum, gae, masked_sum, rep
 
 # --- advantage estimators: fn(batch, cfg) -> (A [N, T], returns [N, T] or None) ----------------
 
+def returns_to_go(b, cfg):
+    """G_t = sum_{s>=t} gamma^(s-t) r_s over a row's real steps. A control episode cut by a time limit did
+    not end, so the steps it would have gone on for are added at its own mean reward per step:
+    + gamma^(L-t) r_mean / (1 - gamma) (partial-episode bootstrapping, arXiv 1712.00378, with that estimate
+    in place of a critic). Without it every CartPole episode that reaches the limit says its last ~100
+    actions were worse than its first, and a solved policy drifts (README "CartPole that stays solved")."""
+    G = discounted_cumsum(b.rewards, b.mask, cfg.gamma)  # [N, T]
+    if b.final_obs is None or cfg.gamma >= 1:  # LLM tasks: a reply cut at the token limit is just cut
+        return G
+    L = b.mask.sum(1, keepdim=True)  # [N, 1]
+    tail = b.truncated[:, None] * (b.seq_reward[:, None] / L.clamp(min=1)) / (1 - cfg.gamma)  # [N, 1]
+    return G + tail * cfg.gamma ** (L - torch.arange(G.shape[1])) * b.mask  # gamma^(steps from t to the cut)
+
+
 def reinforce(b, cfg):
-    """A_t = G_t = sum_{s>=t} gamma^(s-t) r_s, the discounted return-to-go (Williams 1992).
-    --credit turn: the reply's return G_k (reply_returns) on each of its tokens."""
-    return reply_returns(b, cfg)[0] if cfg.credit == "turn" else discounted_cumsum(b.rewards, b.mask, cfg.gamma), None
+    """A_t = G_t = sum_{s>=t} gamma^(s-t) r_s, the discounted return-to-go (Williams 1992); whiten_returns:
+    A_t = (G_t - mean) / std over the batch's real steps (all ranks), a baseline and a scale as most REINFORCE
+    code has (slightly biased: the mean includes the sample's own G). --credit turn: the reply's return G_k
+    (reply_returns) on each of its tokens."""
+    G = reply_returns(b, cfg)[0] if cfg.credit == "turn" else returns_to_go(b, cfg)  # [N, T]
+    return whiten(G, b.mask) if cfg.whiten_returns else G, None
 
 
 def reinforce_baseline(b, cfg):
@@ -19,7 +36,7 @@ def reinforce_baseline(b, cfg):
     --credit turn: turn_credit's leave-one-out baseline per reply."""
     if cfg.credit == "turn":
         return turn_credit(b, cfg), None
-    G = discounted_cumsum(b.rewards, b.mask, cfg.gamma)  # [N, T]
+    G = returns_to_go(b, cfg)  # [N, T]
     total = all_reduce_sum(torch.stack([masked_sum(G, b.mask), b.mask.sum()]))
     return (G - total[0] / total[1]) * b.mask, None
 

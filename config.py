@@ -47,7 +47,7 @@ class Config:
     body_limit_mb: float = 256.0  # trainer: larger POST bodies get 413 before being read
     connect_timeout: float = 300.0  # rollout: seconds to keep retrying an unreachable trainer, then exit
     # --- rollout ---
-    batch_size: int = 8  # samples per step: episodes, or prompts x group_size completions
+    batch_size: int = 16  # samples per step: episodes, or prompts x group_size completions
     group_size: int = 1  # samples per prompt (or per env reset seed); grpo and rloo need >= 2
     eval_episodes: int = 10  # held-out episodes (fixed seeds) per control-task evaluation
     # --- LLM tasks ---
@@ -83,17 +83,18 @@ class Config:
     eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
     overlong_buffer: int = 0  # penalise completions in the last N tokens before the cap, -1 at the cap (0 = off)
     # --- policy and optimizer ---
-    hidden: int = 64  # MLP hidden width (control tasks)
+    hidden: int = 128  # MLP hidden width (control tasks)
     lora_r: int = 16  # LoRA rank (0 = full fine-tuning)
     lora_alpha: int = 32  # LoRA scale alpha / r
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules LoRA adapts
     grad_ckpt: bool = False  # gradient checkpointing: less memory, one more forward per backward
     fsdp: bool = False  # under torchrun, shard the LLM policy over the ranks with FSDP2 (weights, gradients, optimizer)
     bf16: bool = True  # bf16 autocast for the trainer where the device has fast bf16 (weights stay fp32)
-    lr: float = 0.01  # Adam learning rate
+    lr: float = 0.005  # Adam learning rate
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     # --- advantage ---
     gamma: float = 0.99  # discount for return-to-go and GAE
+    whiten_returns: bool = True  # reinforce: A = (G - mean) / std over the batch's real steps (false = A = G, the textbook)
     lam: float = 0.95  # GAE lambda (ppo)
     norm_std: bool = True  # grpo: divide by the group std; false = Dr.GRPO advantage R - mean
     adv_eps: float = 1e-6  # grpo: (R - mean) / (std + adv_eps), std unbiased (n - 1)

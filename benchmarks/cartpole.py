@@ -5,10 +5,12 @@ unbuffered stdout as it happens) and what the command spent after it.
 
     pip install -e ".[bench]" && python benchmarks/cartpole.py --seeds 3
     python benchmarks/cartpole.py --seeds 5 --default-only   # the default command against SB3 and the import floor
+    python benchmarks/cartpole.py --seeds 5 --stay [--workers 1]  # does it stay solved (sync, or async with a worker)
 """
 import argparse
 import csv
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -60,23 +62,38 @@ def flatrl(args, seed):
     return wall, int(env_steps) if seen else None, seen
 
 
-def stays_solved(seeds, steps, flags):
+def stays_solved(seeds, steps, flags, workers=0):
     """--stay: the default command run on past solving (--no-stop-when-solved), greedy evaluation every 5 steps;
-    per seed, the step and second of the first solve and the share of evaluations >= 475 in the 100 steps after."""
-    out = []
+    per seed, the step and second of the first solve and the share of evaluations >= 475 in the 100 steps after.
+    workers > 0: as a trainer (--role trainer) fed by that many rollout workers on loopback."""
+    out, base = [], ["--task", "cartpole", "--algo", "reinforce", "--no-stop-when-solved", "--eval-every", "5", *flags]
     for seed in seeds:
         with tempfile.TemporaryDirectory() as d:
-            timed([sys.executable, "train.py", "--task", "cartpole", "--algo", "reinforce", "--no-stop-when-solved",
-                   "--steps", str(steps), "--eval-every", "5", "--seed", str(seed), "--out", d, *flags])
+            cmd = [sys.executable, "train.py", *base, "--steps", str(steps), "--seed", str(seed), "--out", d]
+            if workers:
+                port = free_port()
+                pool = [subprocess.Popen([sys.executable, "train.py", *base, "--seed", str(seed), "--role", "rollout",
+                                          "--trainer-url", f"http://127.0.0.1:{port}", "--out", f"{d}/w{i}"], cwd=ROOT,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
+                cmd += ["--role", "trainer", "--port", str(port)]
+            timed(cmd)
+            for w in pool if workers else []:
+                w.wait(120)
             with open(f"{d}/metrics.csv") as f:
                 evals = [(int(r["step"]), float(r["time_s"]), float(r["eval_return"])) for r in csv.DictReader(f) if r.get("eval_return")]
         first = next(((s, t) for s, t, ret in evals if ret >= 475), None)
         after = [ret for s, _, ret in evals if first and first[0] < s <= first[0] + 100]
         share = sum(ret >= 475 for ret in after) / len(after) if after else None
         out.append((first, share))
-        print(f"seed {seed} {' '.join(flags) or 'defaults'}: first solved {first}, share >= 475 after it {share} "
-              f"({[round(r) for _, _, r in evals]})", flush=True)
+        print(f"seed {seed} {' '.join(flags) or 'defaults'}{f' (async, {workers} worker)' if workers else ''}: first solved "
+              f"{first}, share >= 475 after it {share} ({[round(r) for _, _, r in evals]})", flush=True)
     return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main():
@@ -86,9 +103,10 @@ def main():
     p.add_argument("--default-only", action="store_true", help="only the default command (and SB3)")
     p.add_argument("--stay", action="store_true", help="instead: does the default command (plus any train.py flags "
                    "given after these) stay solved?")
+    p.add_argument("--workers", type=int, default=0, help="with --stay: run it async, a trainer and this many workers")
     a, flags = p.parse_known_args()
     if a.stay:
-        return stays_solved(range(a.seeds), 300, flags)
+        return stays_solved(range(a.seeds), 300, flags, a.workers)
     if flags:
         p.error(f"unrecognized arguments: {' '.join(flags)}")
     jobs = {"reinforce (default command)": ["--task", "cartpole", "--algo", "reinforce"]}

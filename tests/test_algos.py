@@ -24,10 +24,24 @@ def cfg(**kw):
 
 def test_reinforce_return_to_go():
     b = batch([[1.0, 1, 1], [2, 0, 0]], [[1.0, 1, 1], [1, 1, 0]])
-    A, R = ADVANTAGES["reinforce"](b, cfg(gamma=0.5))
+    A, R = ADVANTAGES["reinforce"](b, cfg(gamma=0.5, whiten_returns=False))
     # row 0: G2=1, G1=1+.5*1=1.5, G0=1+.5*1.5=1.75; row 1: G1=0, G0=2+.5*0=2, padding 0
     assert torch.allclose(A, torch.tensor([[1.75, 1.5, 1.0], [2.0, 0.0, 0.0]]))
     assert R is None
+    A, _ = ADVANTAGES["reinforce"](b, cfg(gamma=0.5))  # whitened (the default) over the 5 real steps
+    # G: 1.75 1.5 1 2 0 -> mean 1.25; E[G^2] = (3.0625 + 2.25 + 1 + 4 + 0) / 5 = 2.0625, var = 2.0625 - 1.5625 = .5
+    assert torch.allclose(A, torch.tensor([[0.5, 0.25, -0.25], [0.75, -1.25, 0.0]]) / math.sqrt(0.5), atol=1e-6)
+
+
+def test_a_time_limit_cut_is_bootstrapped_at_the_episodes_own_reward_rate():
+    b = batch([[1.0, 1], [1.0, 0]], [[1.0, 1], [1, 0]])
+    b.truncated, b.final_obs = torch.tensor([True, False]), torch.zeros(2, 1)  # row 0 cut by the time limit
+    A, _ = ADVANTAGES["reinforce"](b, cfg(gamma=0.5, whiten_returns=False))
+    # row 0: mean reward 1, the steps after the cut worth 1 / (1 - .5) = 2: G1 = 1 + .5 * 2 = 2, G0 = 1 + .5 * 2 = 2
+    # (an episode at its limit forever: the same value at every step); row 1 ended by itself: G0 = 1
+    assert A.tolist() == [[2.0, 2.0], [1.0, 0.0]]
+    b.final_obs = None  # an LLM batch: a reply cut at the token limit is not bootstrapped
+    assert ADVANTAGES["reinforce"](b, cfg(gamma=0.5, whiten_returns=False))[0].tolist() == [[1.5, 1.0], [1.0, 0.0]]
 
 
 def test_reinforce_baseline_subtracts_token_mean():
