@@ -105,10 +105,15 @@ def answer_tag(text):
     return found[-1].strip() if found else None
 
 
+def first_number(text):
+    m = re.search(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+    return float(m.group()) if m else None
+
+
 def numeric_match(prompt, completion, answer):
     """1 if the first number of the reply (of its <answer> tag, when it has one) equals the answer."""
-    x = re.search(r"-?\d+(?:\.\d+)?", (answer_tag(completion) or completion).replace(",", ""))
-    return float(x is not None and abs(float(x.group()) - float(answer)) < 1e-6)
+    x = first_number(answer_tag(completion) or completion)
+    return float(x is not None and abs(x - float(answer)) < 1e-6)
 
 
 def format_reward(prompt, completion, answer):

@@ -220,7 +220,7 @@ def test_resume_with_flags_that_change_the_model_is_a_one_line_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert run.stderr.strip().startswith("config error: --resume") and "does not fit this policy" in run.stderr
-    assert "hidden 64 there, 32 here" in run.stderr
+    assert "hidden 128 there, 32 here" in run.stderr
 
 
 # --- data parallelism trains one model: same start, same decisions, same steps ------------------------------
