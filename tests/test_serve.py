@@ -1,5 +1,6 @@
 """Async transport: real trainer and worker processes on loopback (CartPole and a tiny LLM), staleness
 and snapshots, old_logp under the sampling weights, auth, and a fuzz of malformed requests."""
+import contextlib
 import csv
 import http.client
 import json
@@ -213,7 +214,8 @@ def post(port, body, headers=None, length=None):
     try:
         conn.send(body)
         if length is not None and length.isdigit() and int(length) > len(body):
-            conn.sock.shutdown(socket.SHUT_WR)  # a truncated body: the client stops sending
+            with contextlib.suppress(OSError):  # the server may have answered (413) and closed already
+                conn.sock.shutdown(socket.SHUT_WR)  # a truncated body: the client stops sending
         r = conn.getresponse()
         return r.status, r.read()
     finally:
