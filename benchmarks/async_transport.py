@@ -3,7 +3,7 @@ full model, publish latency (serialize on the trainer + transfer + load on the w
 into its sampler), the rollout POST (serialize + transfer + validate), and their sum as a fraction of
 a measured training step. SmolLM2-135M-Instruct + LoRA r=16 (all projections) and a tiny Llama.
 
-    python -c "import model; model.cache_smollm2()"
+    python .ci/cache_smollm2.py
     HF_HUB_OFFLINE=1 python benchmarks/async_transport.py --repeats 5
 """
 import argparse

@@ -13,7 +13,7 @@ steps grow, so a median over the first steps flatters it. For flatrl, a per-step
 (generation, scoring + update, publishing) and sets it against its compute floor: the step's FLOPs
 (model.HFPolicy.flops) at the device's measured matmul peak.
 
-    pip install trl && python -c "import model; model.cache_smollm2()"
+    pip install trl && python .ci/cache_smollm2.py
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm
 
 Time to accuracy: the whole command's seconds (from its first line, imports included) until greedy accuracy on

@@ -14,7 +14,7 @@ def smol_cached():
     return isinstance(try_to_load_from_cache(SMOL, "config.json"), str)
 
 
-needs_smol = pytest.mark.skipif(not smol_cached(), reason='SmolLM2 not cached: python -c "import model; model.cache_smollm2()"')
+needs_smol = pytest.mark.skipif(not smol_cached(), reason='SmolLM2 not cached: python .ci/cache_smollm2.py')
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARS = list(string.ascii_letters + string.digits + " +-*/()<>=?.,:\n")
