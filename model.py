@@ -284,8 +284,7 @@ class HFPolicy(nn.Module):
                     m.set_force_sum_reduction_for_comms(True)
 
     def prompt_ids(self, text, tools=None):
-        """A user message (or a list of messages) as prompt ids; a template that knows tools describes `tools`
-        (Python functions) from their JSON schemas, others ignore them."""
+        """A user message (or a list of messages) as ids; a template that knows tools describes `tools` (functions)."""
         if not self.tok.chat_template:
             return self.tok(text)["input_ids"]
         return self.render(text if isinstance(text, list) else [{"role": "user", "content": text}], True, tools)

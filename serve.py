@@ -63,8 +63,7 @@ def pack_batch(batch, worker):
 
 
 def unpack_batch(body, cfg, expect):
-    """Bytes -> (Batch, worker), or ValueError naming the first problem (an out-of-range token id, say, would crash
-    the trainer's forward pass)."""
+    """Bytes -> (Batch, worker), or ValueError naming the first problem (a bad token id would crash the forward)."""
     try:
         n = int.from_bytes(body[:8], "little")
         meta = json.loads(body[8:8 + n]).get("__metadata__") or {}
@@ -287,8 +286,7 @@ class AsyncSource:
 
     @contextlib.contextmanager
     def weights(self, batch):
-        """Swap in the snapshot that sampled the batch, then back. The worker's probe is checked against it (a gap:
-        its sync failed)."""
+        """Swap in the snapshot that sampled the batch, then back; check the worker's probe against it (a failed sync)."""
         self.policy.load_state_dict(self.snapshots[batch.version], strict=False)
         try:
             if batch.probe is not None:
@@ -349,8 +347,7 @@ def call(cfg, path, body=None, timeout=120):
 
 
 def run_worker(cfg, task, policy):
-    """Pull the newest weights, sample a batch, push it; until the trainer says it is done. The progress bar shows
-    the trainer's steps (the weights version)."""
+    """Pull the newest weights, sample a batch, push it; until the trainer says it is done (the bar shows its steps)."""
     status, _, body = call(cfg, "/config")
     if status != 200:
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")

@@ -119,8 +119,7 @@ def format_reward(prompt, completion, answer):
 
 
 def overlong_penalty(n_tokens, max_new, buffer):
-    """DAPO's soft overlong penalty (arXiv 2503.14476): 0 up to max_new - buffer tokens, then
-    linearly down to -1 at max_new."""
+    """DAPO's soft overlong penalty (arXiv 2503.14476): 0 up to max_new - buffer tokens, then down to -1 at max_new."""
     return min(0.0, (max_new - buffer - n_tokens) / buffer) if buffer else 0.0
 
 
@@ -273,8 +272,7 @@ class LLMTask:
         return batch
 
     def evaluate(self, policy, step):
-        """Greedy held-out accuracy of the last reply (eval_acc) and, multi-turn, the first; pass@k (eval_k > 0).
-        A few episodes go to samples.jsonl."""
+        """Greedy held-out accuracy of the last reply (eval_acc), multi-turn of the first too; pass@k; samples.jsonl."""
         mine = self.eval_set[rank()::world()]
         prompts = [self.build_prompt(q) for q, _ in mine]
         chats = self.play(policy, mine, 1, greedy=True)[1]

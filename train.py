@@ -153,8 +153,7 @@ def update(policy, opt, batch, cfg, max_len):
 
 
 def speed(policy, batch, split, llm, trained):
-    """Tokens/s of scoring + update and, for an LLM, MFU: the FLOPs counted (HFPolicy.flops) / seconds / peak.
-    A step without an optimizer step reports neither (a gap in the curves)."""
+    """Tokens/s of scoring + update and, for an LLM, MFU (HFPolicy.flops / seconds / peak); neither without a step."""
     seconds, flops, policy.flops_done = split["score_s"] + split["update_s"], getattr(policy, "flops_done", 0.0), 0.0
     if not trained:
         return {}

@@ -69,8 +69,7 @@ class Batch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
     def trimmed(self):
-        """Without the columns that are padding in every row (LLM batches): position ids count attended tokens and
-        causal attention never looks right, so every logp is unchanged."""
+        """Without all-padding columns (LLM): positions count attended tokens, attention never looks right: same logps."""
         if self.attn is None:
             return self
         T = self.mask.shape[1]
@@ -387,11 +386,8 @@ class Logger:
         fig = Figure(figsize=(4.2 * cols, 3.1 * rows))  # fixed margins: a layout engine would draw it twice
         fig.subplots_adjust(left=0.7 / (4.2 * cols), right=1 - 0.8 / (4.2 * cols), bottom=0.5 / (3.1 * rows),
                             top=1 - 0.6 / (3.1 * rows), wspace=0.6, hspace=0.6)
-        axes = fig.subplots(rows, cols, squeeze=False).flat
-        for ax in axes[len(panels):]:
-            ax.remove()
-        for ax, keys in zip(axes, panels):
-            lines, right = [], None
+        for n, keys in enumerate(panels, 1):
+            ax, lines, right = fig.add_subplot(rows, cols, n), [], None
             if keys == ["approx_kl", "clipfrac"] and not any(r.get(k) for r in self.rows for k in keys):
                 ax.text(0.5, 0.5, "approx_kl, clipfrac: 0 by construction\nwith one update per batch (ratio = 1)",
                         transform=ax.transAxes, ha="center", va="center", fontsize=8)

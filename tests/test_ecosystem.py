@@ -1,13 +1,11 @@
 """Datasets (local files of every format, one-line errors offline), trackers (TensorBoard read back, wandb
 offline), the run picture, and --help grouped by section. Offline, seconds each."""
 import csv
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 import config
 import train

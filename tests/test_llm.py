@@ -323,7 +323,15 @@ def _rank_main(r, port, cfg, batch_file, out_file):
     params = updated(policy, mine, cfg)
     if r == 0:
         save_file({"params": params}, out_file)
+    leave_rank()
+
+
+def leave_rank():
+    """A spawned rank's end: wait for the other, close the group, then exit as train.py does, without the interpreter's
+    teardown, whose C++ destructors can abort a rank ("terminate called without an active exception": a flake)."""
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def shared_batch(cfg, path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from algos import ADVANTAGES, pg_loss
+from algos import pg_loss
 from model import HFPolicy
 from tasks import TASKS, Arith
 from test_llm import Digits, llm_cfg

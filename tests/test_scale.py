@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from algos import ADVANTAGES
 from config import Config
 from model import HFPolicy, MLPPolicy
 from tasks import GymTask
-from test_llm import llm_cfg, shared_batch
+from test_llm import leave_rank, llm_cfg, shared_batch
 from test_serve import ROOT, finish, free_port, output, rows, spawn
 from utils import Batch, Logger, full
 
@@ -46,8 +45,7 @@ def _fsdp_rank(r, port, cfg, batch_file, out_file):
     if r == 0:
         save_file({"params": params, "bytes": torch.tensor(local + whole, dtype=torch.float64),
                    "loss": torch.tensor(stats["loss"]), "grad_norm": torch.tensor(stats["grad_norm"])}, out_file)
-    dist.barrier()  # neither rank tears down while the other still talks
-    dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.parametrize("lora_r", [4, 0])
@@ -114,8 +112,7 @@ def _async_rank(r, port, http_port, out_file):
     if r == 0:
         save_file({"params": flat(policy), "rows": torch.tensor(len(batch.mask))}, out_file)
     source.close()
-    dist.barrier()  # neither rank tears down while the other still talks
-    dist.destroy_process_group()
+    leave_rank()
 
 
 def test_a_pushed_batch_trains_two_ranks_like_one_process(tmp_path):
@@ -339,8 +336,7 @@ def _layout_rank(r, port, cfg, batch_file, out_file):
     params = two_updates(policy, batch.rows(torch.nonzero(batch.group % 2 == r)[:, 0]), cfg)
     if r == 0:
         save_file({"params": params}, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_rank()
 
 
 def two_updates(policy, batch, cfg):
@@ -368,7 +364,7 @@ def _count_rank(r, port, cfg, batch_file, out_file):
     n = optimizer_steps(batch.rows(torch.arange(r * 6, r * 6 + 6)), cfg)
     if r == 0:
         save_file({"steps": torch.tensor(n)}, out_file)
-    dist.destroy_process_group()
+    leave_rank()
 
 
 def optimizer_steps(batch, cfg):
