@@ -113,6 +113,13 @@ def numeric_match(prompt, completion, answer):
     return float(x is not None and abs(x - float(answer)) < 1e-6)
 
 
+def final_number_match(prompt, completion, answer):
+    """1 if the last number of the reply (of its <answer> tag, when it has one) equals the answer: where a reply
+    reasons first ("7 + 5 = 12"), as word problems' replies do, the first number is an operand (GSM8K's rule)."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", (answer_tag(completion) or completion).replace(",", ""))
+    return float(bool(found) and abs(float(found[-1]) - float(answer)) < 1e-6)
+
+
 def format_reward(prompt, completion, answer):
     """1 if the reply puts something in <answer>...</answer> tags."""
     return float(bool(answer_tag(completion)))
@@ -469,7 +476,7 @@ FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": 
 class DataTask(LLMTask):
     """Question / numeric answer rows (GSM8K's '... #### 42' too) of a hub dataset (--data openai/gsm8k --data-config
     main) or a local .jsonl / .json / .parquet / .csv. Held out: the first n_eval rows of --eval-split, else the last."""
-    rewards = [(0.1, format_reward), (1.0, numeric_match)]
+    rewards = [(0.1, format_reward), (1.0, final_number_match)]
 
     def __init__(self, cfg):
         if cfg.eval_split and os.path.splitext(cfg.data)[1] in FILE_KINDS:
@@ -520,6 +527,9 @@ class DataTask(LLMTask):
 
     def build_prompt(self, question):
         return question + self.cfg.data_prompt
+
+    def correct(self, prompt, completion, answer):
+        return final_number_match(prompt, completion, answer)
 
 
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc, "data": DataTask,

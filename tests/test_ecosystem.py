@@ -9,7 +9,7 @@ import pytest
 
 import config
 import train
-from tasks import DataTask
+from tasks import DataTask, numeric_match
 from test_llm import llm_cfg
 
 ROWS = [{"question": f"Sam has {i} apples and buys {i % 5} more. How many?", "answer": f"{i} + {i % 5} = ...\n#### {i + i % 5:,}"}
@@ -69,6 +69,17 @@ def test_the_data_cpu_preset_asks_for_a_short_answer():
     assert task.build_prompt(q) == q + " Reply with just the number." and a.isdigit()
     default = DataTask(config.parse(["--config", "configs/data_grpo_cpu.yaml", "--data-prompt", config.Config.data_prompt]))
     assert "<answer>" in default.build_prompt(q)  # the GSM8K-style default stays for the hub presets
+
+
+def test_data_replies_are_scored_by_their_final_number():
+    """SmolLM2 answers a word problem in a sentence that restates the numbers first: the first number (arith's
+    rule) is an operand, so the shipped preset got reward 0 on every sample and learned nothing."""
+    task = DataTask(config.parse(["--config", "configs/data_grpo_cpu.yaml"]))
+    reply = "Chloe has 7 shells and 5 more, so she has 7 + 5 = 12 shells now."
+    assert task.correct("q", reply, "12") == 1.0 and task.reward("q", reply, "12") == 1.0
+    assert numeric_match("q", reply, "12") == 0.0  # the first number: 7
+    assert task.reward("q", "12 - 5 = 7 <answer>12</answer> so 7", "12") == pytest.approx(1.1)  # the tag wins, +0.1
+    assert task.correct("q", "She has 1,234.5 left.", "1234.5") == 1.0 and task.correct("q", "none", "3") == 0.0
 
 
 def test_the_gsm8k_preset_names_the_hub_dataset():
