@@ -102,22 +102,25 @@ def answer_tag(text):
     return found[-1].strip() if found else None
 
 
+def numbers(text):
+    """The numbers in text, in order (1,234 reads as 1234)."""
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))]
+
+
 def first_number(text):
-    m = re.search(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
-    return float(m.group()) if m else None
+    return next(iter(numbers(text)), None)
 
 
-def numeric_match(prompt, completion, answer):
-    """1 if the first number of the reply (of its <answer> tag, when it has one) equals the answer."""
-    x = first_number(answer_tag(completion) or completion)
-    return float(x is not None and abs(x - float(answer)) < 1e-6)
+def numeric_match(prompt, completion, answer, which=0):
+    """1 if the reply's first number (which=-1: its last) equals the answer; of its <answer> tag, when it has one."""
+    found = numbers(answer_tag(completion) or completion)
+    return float(bool(found) and abs(found[which] - float(answer)) < 1e-6)
 
 
 def final_number_match(prompt, completion, answer):
-    """1 if the last number of the reply (of its <answer> tag, when it has one) equals the answer: where a reply
-    reasons first ("7 + 5 = 12"), as word problems' replies do, the first number is an operand (GSM8K's rule)."""
-    found = re.findall(r"-?\d+(?:\.\d+)?", (answer_tag(completion) or completion).replace(",", ""))
-    return float(bool(found) and abs(float(found[-1]) - float(answer)) < 1e-6)
+    """numeric_match on the LAST number: a reply that reasons first ("7 + 5 = 12"), as word problems' replies do,
+    starts with an operand (GSM8K's rule)."""
+    return numeric_match(prompt, completion, answer, which=-1)
 
 
 def format_reward(prompt, completion, answer):
