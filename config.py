@@ -122,8 +122,8 @@ class Config:
             if not ok:
                 raise SystemExit(f"config error: {msg}")
         for key, names in {**CHOICES, **dict(choices)}.items():
-            value = getattr(self, key)
-            need(value in names, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
+            if (value := getattr(self, key)) not in names:  # (the did-you-mean search only then: it reads the source)
+                need(False, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
         need(self.batch_size % self.group_size == 0,
              f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
         need(self.eps_high >= self.eps, f"eps_high {self.eps_high} < eps {self.eps}: set --eps-high >= --eps")

@@ -24,8 +24,8 @@ from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, 
 from model import HFPolicy, MLPPolicy, check_parity
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Logger, Timer, all_reduce_sum, broadcast_bytes, fresh_dir, full, held_mb, like, load_checkpoint,
-                   masked_mean, rank, save_checkpoint, seed_all, world)
+from utils import (Adam, Logger, Timer, all_reduce_sum, broadcast_bytes, fresh_dir, full, held_mb, like,
+                   load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
 
 
 def build(cfg):
@@ -145,7 +145,7 @@ def update(policy, opt, batch, cfg, max_len):
                 norms.append(norm.item())
             else:
                 skipped += 1
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
     n = sums.pop("tokens", torch.tensor(1.0)).clamp(min=1)
     out = {k: (v if k.endswith("_max") else v / n).item() for k, v in sums.items()}
     trained = {"loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms)} if losses else {}
@@ -240,7 +240,7 @@ def main(argv=None):
             raise SystemExit("config error: --check-parity compares LLM samplers; pick an LLM task")
         ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
         raise SystemExit(0 if ok else 1)
-    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
+    opt = Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
     start, t_offset = restore(ckpt_path, policy, opt, cfg) if cfg.resume else (0, 0.0)
     if cfg.ask:

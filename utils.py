@@ -1,11 +1,12 @@
 """Shared pieces every file imports: the Batch type (the shape legend), masked reductions,
-discounted sums (returns, GAE), seeding, distributed helpers, checkpoints and the metrics logger.
+discounted sums (returns, GAE), seeding, distributed helpers, Adam, checkpoints and the metrics logger.
 """
 import contextlib
 import csv
 import dataclasses
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -267,6 +268,31 @@ def fresh_dir(base):
             os.makedirs(path)
             return path
 
+class Adam:
+    """Adam (Kingma & Ba 2015), step for step as torch.optim.Adam (tested), its state named as torch's (checkpoints
+    load either way). Written out because torch.optim's first call imports torch._dynamo: ~1.1 s of CartPole's 4."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8):
+        self.params, self.lr, self.betas, self.eps, self.state = list(params), lr, betas, eps, {}
+
+    @torch.no_grad()
+    def step(self):
+        (b1, b2), lr = self.betas, self.lr
+        for i, p in enumerate(self.params):
+            if p.grad is not None:  # m, v start at 0; t counts this parameter's steps
+                s = self.state.setdefault(i, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                              "exp_avg_sq": torch.zeros_like(p)})
+                t = s["step"].add_(1).item()
+                s["exp_avg"].lerp_(p.grad, 1 - b1)  # m <- b1 m + (1 - b1) g
+                s["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)  # v <- b2 v + (1 - b2) g^2
+                denom = (s["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(self.eps)  # p -= lr m^ / (sqrt(v^) + eps)
+                p.addcdiv_(s["exp_avg"], denom, value=-lr / (1 - b1**t))
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
 def rng_states():
     """This rank's random generators: the CPU's, and its GPU's when the run uses one (sampling runs there)."""
     return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {})}
@@ -275,15 +301,14 @@ def rng_states():
 def save_checkpoint(path, params, opt, meta):
     """Every rank calls it: FSDP shards gathered, each rank's RNG state kept ([world, S]); rank 0 writes a temporary
     file that replaces the checkpoint once complete (a kill mid-save leaves the old one). -> the whole params"""
-    state = opt.state_dict()
     params = {k: full(v).detach().contiguous().cpu() for k, v in params.items()}
     tensors = {f"model.{k}": v for k, v in params.items()}
-    for i, s in state["state"].items():
+    for i, s in opt.state.items():  # Adam's moments, FSDP shards gathered
         tensors.update({f"opt.{i}.{k}": full(v).cpu().contiguous() for k, v in s.items()})
     for name, rng in rng_states().items():  # [world, S] each
         tensors[f"rng.{name}"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
     if rank() == 0:
-        meta = {**meta, "opt_groups": state["param_groups"], "rng_python": random.getstate()}
+        meta = {**meta, "rng_python": random.getstate()}
         save_file(tensors, tmp_name(path), metadata={"flatrl": json.dumps(meta)})
         os.replace(tmp_name(path), path)
     return params
@@ -295,12 +320,10 @@ def load_checkpoint(path, opt):
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
     tensors = load_file(path)
-    ordered, state = [p for g in opt.param_groups for p in g["params"]], {}
     for k, v in tensors.items():
         if k.startswith("opt."):
             _, i, name = k.split(".", 2)
-            state.setdefault(int(i), {})[name] = like(v, ordered[int(i)]) if v.dim() else v
-    opt.load_state_dict({"state": state, "param_groups": meta["opt_groups"]})
+            opt.state.setdefault(int(i), {})[name] = like(v, opt.params[int(i)]) if v.dim() else v
     restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
     for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)
         rng = tensors.get(f"rng.{name}", torch.empty(0, 0)).flatten(0, -2)  # [world, S]
