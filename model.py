@@ -13,6 +13,7 @@ import tempfile
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from utils import Batch, fast_bf16, full, peak_flops, tmp_name
 
@@ -72,6 +73,10 @@ def pack(prompts, completions, pad_id, masks=None):
 
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM holds each group as one tensor
+# On CPU, forward_logits runs attention as plain matmuls (SDPA's math backend) while the [T, S] weights that it keeps
+# for backward are small: up to this many query-key pairs per layer and head (~15% off an arith update: PyTorch's CPU
+# flash kernel has a backward 4x its forward). Past it, flash: the math backend's memory grows as S^2.
+PLAIN_ATTENTION = 2**20
 
 
 @torch.no_grad()
@@ -306,36 +311,41 @@ class HFPolicy(nn.Module):
         return first, inv
 
     def forward_logits(self, lm, batch, hidden=False):
-        """Logits (and final hidden states) at the T positions that predict the completion. A shared prompt's first
-        P - 1 tokens run once, and each row's rest runs on its KV cache (indexed out over the rows): the same logits,
-        and backward sums every row's gradient through the prompt."""
+        """Logits at the completions' real tokens [M, V] (padding never reaches the LM head), and the final hidden
+        states at the T positions that predict the completion [N, T, H]. A shared prompt's first P - 1 tokens run
+        once, and each row's rest runs on its KV cache (indexed out over the rows): the same logits, and backward
+        sums every row's gradient through the prompt."""
         T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
         shared, cache, tie = self.shared_prompts(batch), None, 0.0
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+        plain = self.device.type == "cpu" and batch.obs.shape[0] * T * batch.obs.shape[1] <= PLAIN_ATTENTION
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast), \
+                sdpa_kernel(SDPBackend.MATH) if plain else contextlib.nullcontext():
             if shared is not None:
                 first, inv = shared
                 pre = lm(input_ids=batch.obs[first, :P - 1], attention_mask=batch.attn[first, :P - 1],
                          position_ids=pos[first, :P - 1], use_cache=True, logits_to_keep=1)
                 cache, tie = pre.past_key_values, 0 * pre.logits.sum()  # tie: under FSDP, backward reaches the prompt
                 cache.batch_select_indices(inv.to(self.device))     # pass's outputs too (its all-gather hooks sit there)
-            cols = slice(0 if cache is None else P - 1, -1)  # the last token predicts nothing: not run
-            out = lm(input_ids=batch.obs[:, cols], attention_mask=batch.attn[:, :-1], position_ids=pos[:, cols],
-                     past_key_values=cache, use_cache=cache is not None, output_hidden_states=hidden, logits_to_keep=T)
-        return out.logits + tie, (out.hidden_states[-1][:, -T:] if hidden else None)  # [N, T, V], [N, T, H]
+            cols, real = slice(0 if cache is None else P - 1, -1), batch.attn[:, -T:] > 0  # the last token: not run
+            with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][real],)):  # head: [M, H] in
+                out = lm(input_ids=batch.obs[:, cols], attention_mask=batch.attn[:, :-1], position_ids=pos[:, cols],
+                         past_key_values=cache, use_cache=cache is not None, output_hidden_states=hidden, logits_to_keep=T)
+        return out.logits + tie, (out.hidden_states[-1][:, -T:] if hidden else None)  # [M, V], [N, T, H]
 
-    def token_logp(self, logits, actions, entropy=False, temperature=None):
-        """log softmax(logits / temperature) at the sampled tokens, chunked over T so no second
-        full-vocab fp32 copy of the batch's logits is ever held. -> logp [N, T], entropy [N, T] or None"""
-        logps, ents = [], []
-        for sl in torch.arange(logits.shape[1]).split(max(1, 4096 // logits.shape[0])):
-            lg = logits[:, sl].float() / (temperature or self.cfg.temperature)  # [N, t, V]
-            lse = torch.logsumexp(lg, -1)
-            logps.append(lg.gather(-1, actions[:, sl, None])[..., 0] - lse)
-            if entropy:  # H = lse - sum(p * logits); with grad only when the loss has an entropy bonus
+    def token_logp(self, logits, batch, entropy=False, temperature=None):
+        """log softmax(logits / temperature) at the sampled tokens, for forward_logits' [M, V], chunked so that no
+        second full-vocab fp32 copy of them is ever held. -> logp [N, T], entropy [N, T] or None (0 at padding)"""
+        real, t = batch.attn[:, -batch.actions.shape[1]:] > 0, temperature or self.cfg.temperature  # [N, T]
+        actions, logps, ents = batch.actions[real], [], []  # [M]
+        for sl in torch.arange(len(logits)).split(4096):
+            lsm = torch.log_softmax(logits[sl].float() / t if t != 1 else logits[sl].float(), -1)  # [m, V]
+            logps.append(lsm.gather(-1, actions[sl, None])[:, 0])
+            if entropy:  # H = -sum(p log p); with grad only when the loss has an entropy bonus
                 with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.ent_coef)):
-                    ents.append(lse - (lg.softmax(-1) * lg).sum(-1))
-        return torch.cat(logps, 1), (torch.cat(ents, 1) if entropy else None)
+                    ents.append(-(lsm.exp() * lsm).sum(-1))
+        spread = lambda x: torch.zeros(real.shape, device=x.device).masked_scatter(real, x)  # noqa: E731  [M] -> [N, T]
+        return spread(torch.cat(logps)), (spread(torch.cat(ents)) if entropy else None)
 
     def flops(self, batch, train=False):
         """FLOPs of one pass over a batch's real tokens (padding is waste, not work), as forward_logits runs it. A row
@@ -361,7 +371,7 @@ class HFPolicy(nn.Module):
         self.flops_done += self.flops(batch, train=torch.is_grad_enabled())
         batch = batch.to(self.device)
         logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
-        logp, entropy = self.token_logp(logits, batch.actions, entropy=entropy, temperature=temperature)
+        logp, entropy = self.token_logp(logits, batch, entropy=entropy, temperature=temperature)
         value = self.value_head(hidden.float())[..., 0] if hidden is not None else None
         return {"logp": logp, "entropy": entropy, "value": value}
 
@@ -371,7 +381,7 @@ class HFPolicy(nn.Module):
         self.flops_done += self.flops(batch)
         batch = batch.to(self.device)
         with self.lm.disable_adapter() if self.ref is None else contextlib.nullcontext():  # LoRA: the base model
-            return self.token_logp(self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0], batch.actions)[0]
+            return self.token_logp(self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0], batch)[0]
 
     def sample(self, seqs, n, greedy=False, record=None, max_new=None):
         """Token id lists -> (n continuations of each; their sampler logprobs, recorded by rollout workers, or None)."""

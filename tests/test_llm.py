@@ -210,6 +210,26 @@ def test_length_grouped_micro_batches_score_the_same_and_compute_less(tiny_llm):
     assert torch.allclose(batch.old_logp * batch.mask, whole * batch.mask, atol=1e-5, rtol=0)  # in row order
 
 
+def test_cpu_attention_as_matmuls_while_small_scores_and_trains_as_flash(tiny_llm, monkeypatch):
+    import model
+    cfg = llm_cfg(tiny_llm, algo="ppo", kl_coef=0.1)
+    torch.manual_seed(0)
+    policy = HFPolicy(cfg)
+    torch.nn.init.normal_(policy.value_head.weight)  # so that its gradient tests the hidden states too
+    batch = sampled(policy, cfg)[1]
+    kernels, kernel = [], model.sdpa_kernel
+    monkeypatch.setattr(model, "sdpa_kernel", lambda backend: kernels.append(backend) or kernel(backend))
+    plain, g_plain = scores_and_grads(policy, batch, cfg)
+    assert kernels and set(kernels) == {model.SDPBackend.MATH}  # a tiny batch: matmuls
+    monkeypatch.setattr(model, "PLAIN_ATTENTION", 0)
+    kernels.clear()
+    flash, g_flash = scores_and_grads(policy, batch, cfg)
+    assert not kernels  # past the limit: SDPA's own choice (flash on a CPU)
+    for k in plain:
+        assert torch.allclose(plain[k], flash[k], atol=2e-5, rtol=0), k
+    assert g_plain.abs().max() > 0 and torch.allclose(g_plain, g_flash, atol=2e-5, rtol=1e-4)
+
+
 def test_flops_count_the_real_tokens_and_match_torch_flop_counter(tiny_llm):
     from torch.utils.flop_counter import FlopCounterMode
     policy = HFPolicy(llm_cfg(tiny_llm, peak_tflops=1.0))
@@ -224,13 +244,15 @@ def test_flops_count_the_real_tokens_and_match_torch_flop_counter(tiny_llm):
         policy.score(one)
     with FlopCounterMode(display=False) as upd:
         policy.score(one)["logp"].sum().backward()
-    # S = 8 positions run (the last token predicts nothing), T = 4 scored. The counter sees the matmuls, not the
-    # CPU's fused attention, and one more LM head row (the prompt pass's): ours = its count - 2 d V + attention
-    # 4 L d_attn S (S + 1) / 2.
-    assert policy.flops(one) == fwd.get_total_flops() - 2 * d * V + 2 * L * d_attn * 8 * 9
+    # S = 8 positions run (the last token predicts nothing), T = 4 scored: the prompt's first 4 once, then the 4 that
+    # predict the completion on its cache. The counter sees the matmuls, one more LM head row (the prompt pass's),
+    # and the attention as the CPU runs it at this size (SDPA's math backend: every query times every key, the
+    # causal ones masked: 4 L d_attn (4 x 4 + 4 x 8)); ours counts the causal pairs, 4 L d_attn S (S + 1) / 2.
+    attention_run, attention_ours = 4 * L * d_attn * (4 * 4 + 4 * 8), 2 * L * d_attn * 8 * 9
+    assert policy.flops(one) == fwd.get_total_flops() - 2 * d * V - attention_run + attention_ours
     # The update's formula also counts input gradients for the first layer's projections, which autograd
     # skips (their input needs none): within 10% on this 2-layer model, less on deeper ones.
-    ratio = policy.flops(one, train=True) / (upd.get_total_flops() - 4 * d * V + 3 * 2 * L * d_attn * 8 * 9)
+    ratio = policy.flops(one, train=True) / (upd.get_total_flops() - 4 * d * V - 3 * attention_run + 3 * attention_ours)
     assert 1.0 <= ratio < 1.1
     assert policy.flops_done == policy.flops(one) + policy.flops(one, train=True)  # score() counts what it runs
 
@@ -243,11 +265,12 @@ def test_a_shared_prompt_is_counted_once(tiny_llm):
     with FlopCounterMode(display=False) as fwd, torch.no_grad():
         policy.score(batch)
     # prompt pass: p = 4 positions, 1 LM head row; rows: 4 positions each on top of it. 12 positions in all
-    # (16 unshared); causal pairs 2 x 36 - 10 (the prompt's p (p + 1) / 2 once less) = 62.
-    assert policy.flops(batch) == fwd.get_total_flops() - 2 * d * V + 4 * L * d_attn * 62
+    # (16 unshared); causal pairs 2 x 36 - 10 (the prompt's p (p + 1) / 2 once less) = 62. The counter sees the
+    # attention as run (test above): 4 x 4 query-key pairs in the prompt pass, 2 x 4 x 8 in the rows' pass.
+    ours = fwd.get_total_flops() - 2 * d * V - 4 * L * d_attn * (16 + 64) + 4 * L * d_attn * 62
+    assert policy.flops(batch) == ours
     policy.cfg = dataclasses.replace(policy.cfg, group_size=1)  # every row whole
-    saved = 2 * policy.n_mat * 4 + 4 * L * d_attn * 10
-    assert policy.flops(batch) == fwd.get_total_flops() - 2 * d * V + 4 * L * d_attn * 62 + saved
+    assert policy.flops(batch) == ours + 2 * policy.n_mat * 4 + 4 * L * d_attn * 10  # + the prompt's second run
 
 
 def scores_and_grads(policy, batch, cfg):

@@ -107,7 +107,8 @@ def test_environment_tokens_change_nothing(tiny_llm, monkeypatch):
 
     base = loss_and_grad()
     real = policy.forward_logits
-    noise = 50 * torch.randn(*batch.mask.shape, len(policy.tok)) * env[..., None]  # only at environment tokens
+    real_tokens = batch.attn[:, -batch.mask.shape[1]:] > 0  # forward_logits' [M, V]: one row per real token
+    noise = 50 * torch.randn(int(real_tokens.sum()), len(policy.tok)) * env[real_tokens][:, None]  # at env tokens only
     monkeypatch.setattr(policy, "forward_logits", lambda lm, b, hidden=False: (real(lm, b, hidden)[0] + noise, None))
     loss, stats, grads = loss_and_grad()
     assert loss == base[0] and all(torch.equal(stats[k], base[1][k]) for k in stats)
