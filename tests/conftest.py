@@ -1,10 +1,14 @@
 """Shared fixtures: a tiny Llama and a character-level tokenizer, built in-process (no network)."""
 import os
+import signal
 import string
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the suite never needs the hub; unreachable, each load would retry it
+# A suite started in the background (`pytest &` in a script) inherits SIGINT ignored, and so would every process it
+# starts: the Ctrl-C tests' workers would never stop. Handled here, it is reset to the default in each child.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
