@@ -327,8 +327,8 @@ class HFPolicy(nn.Module):
                          position_ids=pos[first, :P - 1], use_cache=True, logits_to_keep=1)
                 cache, tie = pre.past_key_values, 0 * pre.logits.sum()  # tie: under FSDP, backward reaches the prompt
                 cache.batch_select_indices(inv.to(self.device))     # pass's outputs too (its all-gather hooks sit there)
-            cols, real = slice(0 if cache is None else P - 1, -1), batch.attn[:, -T:] > 0  # the last token: not run
-            with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][real],)):  # head: [M, H] in
+            cols = slice(0 if cache is None else P - 1, -1)  # the last token predicts nothing: not run
+            with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][batch.tokens],)):  # [M, H]
                 out = lm(input_ids=batch.obs[:, cols], attention_mask=batch.attn[:, :-1], position_ids=pos[:, cols],
                          past_key_values=cache, use_cache=cache is not None, output_hidden_states=hidden, logits_to_keep=T)
         return out.logits + tie, (out.hidden_states[-1][:, -T:] if hidden else None)  # [M, V], [N, T, H]
@@ -336,7 +336,7 @@ class HFPolicy(nn.Module):
     def token_logp(self, logits, batch, entropy=False, temperature=None):
         """log softmax(logits / temperature) at the sampled tokens, for forward_logits' [M, V], chunked so that no
         second full-vocab fp32 copy of them is ever held. -> logp [N, T], entropy [N, T] or None (0 at padding)"""
-        real, t = batch.attn[:, -batch.actions.shape[1]:] > 0, temperature or self.cfg.temperature  # [N, T]
+        real, t = batch.tokens, temperature or self.cfg.temperature  # [N, T]
         actions, logps, ents = batch.actions[real], [], []  # [M]
         for sl in torch.arange(len(logits)).split(4096):
             lsm = torch.log_softmax(logits[sl].float() / t if t != 1 else logits[sl].float(), -1)  # [m, V]
@@ -357,8 +357,8 @@ class HFPolicy(nn.Module):
         (the matmuls again, the attention twice) and the trainable matrices' (P_train):
             update = 2 forward  +  4 L d_attn A  +  2 P_train S"""
         L, d_attn, d, V = self.dims
-        T, P = batch.mask.shape[1], batch.attn.shape[1] - batch.mask.shape[1]
-        S, C = batch.attn.double().sum(1) - 1, batch.attn[:, -T:].double().sum()  # [N], []
+        P = batch.attn.shape[1] - batch.mask.shape[1]
+        S, C = batch.attn.double().sum(1) - 1, batch.tokens.double().sum()  # [N], []
         S_sum, A = S.sum(), (S * (S + 1) / 2).sum()
         shared = self.shared_prompts(batch)
         if shared is not None:  # subtract the prompt of every row but the first of its prompt's rows

@@ -84,6 +84,10 @@ class Batch:
     def seq_reward(self):  # [N] total reward of each sample
         return (self.rewards * self.mask).sum(1)
 
+    @property
+    def tokens(self):  # [N, T] bool, LLM: the completion's real tokens (sampled or the environment's), not padding
+        return self.attn[:, -self.mask.shape[1]:] > 0
+
 
 # --- masked reductions ------------------------------------------------------------------------
 

@@ -92,7 +92,7 @@ def test_every_turn_extends_the_previous_ids_exactly(tiny_llm, monkeypatch):
 
 def test_environment_tokens_change_nothing(tiny_llm, monkeypatch):
     policy, task, batch, _ = episodes(tiny_llm, ent_coef=0.01, kl_coef=0.1)
-    env = (batch.mask == 0) & (batch.attn[:, -batch.mask.shape[1]:] > 0)  # [N, T] environment tokens
+    env = (batch.mask == 0) & batch.tokens  # [N, T] environment tokens
     assert env.any()
     batch.adv = torch.randn_like(batch.mask) * batch.mask
     batch.old_logp = batch.ref_logp = torch.zeros_like(batch.mask)
@@ -107,7 +107,7 @@ def test_environment_tokens_change_nothing(tiny_llm, monkeypatch):
 
     base = loss_and_grad()
     real = policy.forward_logits
-    real_tokens = batch.attn[:, -batch.mask.shape[1]:] > 0  # forward_logits' [M, V]: one row per real token
+    real_tokens = batch.tokens  # forward_logits' [M, V]: one row per real token
     noise = 50 * torch.randn(int(real_tokens.sum()), len(policy.tok)) * env[real_tokens][:, None]  # at env tokens only
     monkeypatch.setattr(policy, "forward_logits", lambda lm, b, hidden=False: (real(lm, b, hidden)[0] + noise, None))
     loss, stats, grads = loss_and_grad()

@@ -182,7 +182,7 @@ class TestVLLM:
         task = Doubting(dataclasses.replace(vpolicy.cfg, max_turns=3, max_new_tokens=32))
         torch.manual_seed(0)
         batch, chats = task.play(vpolicy, task.train_problems(0), 2)
-        env = (batch.mask == 0) & (batch.attn[:, -batch.mask.shape[1]:] > 0)
+        env = (batch.mask == 0) & batch.tokens
         assert env.any() and max(len(c) for c in chats) >= 3  # reply, message, reply, ...
         m = batch.mask > 0
         with torch.no_grad():
