@@ -68,7 +68,7 @@ class Config:
     max_tool_calls: int = 2  # tool tasks: calls executed per episode, later ones answered with an error (0 = tools off)
     max_episode_tokens: int = 0  # multi-turn: tokens after the prompt, replies and messages together (0 = no cap)
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
-    gen_batch: int = 64  # sequences per generate call
+    gen_batch: int = 64  # rows decoded together by the HF sampler (whole groups: at least one prompt's group_size rows)
     gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
     generator: str = "hf"  # sampler: hf (transformers generate) or vllm
     vllm_lora: str = "merge"  # vllm: merge = each published adapter merged into the engine's weights (fast); adapter = vLLM's LoRA kernels

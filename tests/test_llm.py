@@ -70,32 +70,42 @@ def test_two_step_train_per_algo(tiny_llm, tmp_path, digits_task, algo):
     assert (tmp_path / "samples.jsonl").read_text().count('"step": 0') == 4
 
 
-def test_sampling_knobs_off_and_temperature_matched(tiny_llm):
+def test_sampler_draws_from_softmax_over_temperature_and_records_it(tiny_llm):
     cfg = llm_cfg(tiny_llm, temperature=0.7, max_new_tokens=6)
     policy = HFPolicy(cfg)
     assert policy.stop_ids == sorted([1] + [policy.tok.convert_tokens_to_ids(c) for c in "XYZxyz"])
+    torch.manual_seed(0)
+    batch, _ = policy.generate([f"What is {i} + 1?" for i in range(6)], n=2, record=True)
+    with torch.no_grad():
+        trainer = policy.score(batch)["logp"]
+    assert torch.allclose(batch.sampler_logp, trainer * batch.mask, atol=1e-5)  # the sampler's logp, at temperature
+    # The first token's draws follow softmax(logits / 0.7) itself: the hub config's top_k=3 / top_p=.5 never leak in.
+    prompt, n = policy.prompt_ids("What is 3 + 1?"), 6000
+    with torch.no_grad():
+        p = torch.softmax(policy.generator.lm(input_ids=torch.tensor([prompt])).logits[0, -1] / 0.7, -1)  # [V]
+    torch.manual_seed(1)
+    first = torch.tensor([c[0] for c in policy.sample([prompt], n, max_new=1)[0]])
+    freq = torch.bincount(first, minlength=len(p)).double() / n
+    assert torch.all((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-3)
+    outside = p.argsort(descending=True)[3:]  # what top_k=3 would never draw
+    assert p[outside].sum() > 0.2 and abs(freq[outside].sum() - p[outside].sum()) < 0.03
 
-    def sampler_logp(gen_config):
-        torch.manual_seed(0)
-        rows = [policy.prompt_ids(f"What is {i} + 1?") for i in range(6)]
-        obs, attn, _ = pack(rows, [[]] * len(rows), policy.pad_id)
-        out = policy.generator.lm.generate(input_ids=obs, attention_mask=attn, generation_config=gen_config,
-                                           output_scores=True, return_dict_in_generate=True)
-        comps = [policy.generator.cut(c) for c in out.sequences[:, obs.shape[1]:].tolist()]
-        o, a, mask = pack(rows, comps, policy.pad_id)
-        batch = Batch(obs=o, actions=o[:, o.shape[1] - mask.shape[1]:], mask=mask, rewards=mask, group=None,
-                      truncated=None, attn=a)
-        scores = torch.stack(out.scores, 1)[:, :mask.shape[1]]  # [N, T, V] after the logits processors
-        logp = torch.log_softmax(scores, -1).gather(-1, batch.actions[..., None])[..., 0]
-        with torch.no_grad():
-            return logp * mask, policy.score(batch)["logp"] * mask
 
-    ours, trainer = sampler_logp(policy.generator.config(greedy=False))
-    assert torch.allclose(ours, trainer, atol=1e-5)  # the sampler draws from softmax(logits / T) exactly
-    hub = GenerationConfig.from_pretrained(tiny_llm)  # top_k=3, top_p=.5, repetition_penalty=1.8
-    hub.max_new_tokens = 6
-    biased, trainer = sampler_logp(hub)
-    assert not torch.allclose(biased, trainer, atol=1e-2)  # what leaking the hub's knobs would cost
+def test_decode_loop_equals_hf_generate_and_shares_prompts_exactly(tiny_llm):
+    policy = HFPolicy(llm_cfg(tiny_llm, max_new_tokens=7, gen_batch=64))
+    prompts = [policy.prompt_ids(q) for q in ("hi", "What is 12 + 7?", "abc abc abc", "Q", "9 9 9 9 9 9 9")]
+    obs, attn, _ = pack(prompts, [[]] * 5, policy.pad_id)  # greedy, prompts of 4 lengths: HF's generate() as reference
+    plain = GenerationConfig(do_sample=False, max_new_tokens=7, eos_token_id=policy.stop_ids, pad_token_id=policy.pad_id)
+    policy.generator.lm.generation_config = plain  # else generate() merges the hub's repetition_penalty back in
+    out = policy.generator.lm.generate(input_ids=obs, attention_mask=attn, generation_config=plain)
+    greedy = policy.sample(prompts, 1, greedy=True)[0]
+    assert greedy == [policy.generator.cut(c) for c in out[:, obs.shape[1]:].tolist()] and len(set(map(tuple, greedy))) == 3
+    torch.manual_seed(0)  # sampled: each prompt prefilled once for its 3 rows == every row prefilled on its own
+    shared, shared_lp = policy.sample(prompts, 3, record=True)
+    torch.manual_seed(0)
+    alone, alone_lp = policy.sample([p for p in prompts for _ in range(3)], 1, record=True)
+    assert shared == alone and len(set(map(tuple, shared))) > 5
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(shared_lp, alone_lp))
 
 
 def test_stop_tokens_and_truncation_flags(tiny_llm):
