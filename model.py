@@ -186,9 +186,10 @@ class VLLMGenerator:
         self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
+        eager = cfg.vllm_compile == "off" or cfg.vllm_compile == "auto" and cfg.device == "cpu"
         self.llm = LLM(model=local_copy(cfg.model), dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
                        gpu_memory_utilization=cfg.vllm_mem, logprobs_mode="processed_logprobs", generation_config="vllm",
-                       **lora)
+                       enforce_eager=eager, **lora)
 
     def sync(self, policy):
         if self.cfg.vllm_lora == "merge":  # the worker's method reload_weights, on the engine in this process
