@@ -1,4 +1,4 @@
-"""Sampling speed on this machine, flatrl's own samplers: HF generate, vLLM with the adapter merged into its
+"""Sampling speed on this machine, flatrl's own samplers: its HF decode loop, vLLM with the adapter merged into its
 weights (--vllm-lora merge), vLLM with its LoRA kernels (--vllm-lora adapter). SmolLM2-135M-Instruct with a
 non-zero LoRA r=16 adapter on all seven projections (random B ~ N(0, 0.02): as costly as a trained one),
 64 chat prompts, at most 64 new tokens each; tokens/s counts the tokens the sampler returned. Each
@@ -92,7 +92,7 @@ def main():
         for c in combos:
             res[c].append(sampler(*c))
             print(f"round {r} {c}: {res[c][-1][0]:.0f} tok/s, publish {res[c][-1][1] * 1000:.0f} ms", flush=True)
-    print("\n| dtype | HF generate tok/s | vLLM merged tok/s | vLLM adapter tok/s | merged / HF | adapter / HF | "
+    print("\n| dtype | HF loop tok/s | vLLM merged tok/s | vLLM adapter tok/s | merged / HF | adapter / HF | "
           "publish HF / merged / adapter |\n|---|---|---|---|---|---|---|")
     for dt in a.dtypes:
         (hf, hp), (vm, mp), (va, ap) = ((statistics.median(x[0] for x in res[(g, m, dt)]),

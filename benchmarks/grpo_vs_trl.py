@@ -6,7 +6,7 @@ no KL, one optimizer step per batch, Adam lr 3e-4 constant, token-mean loss (TRL
 Both train under bf16 autocast where the CPU has fast bf16 (AVX512-BF16 or AMX; TRL's default is bf16
 everywhere, which an AVX2 CPU only emulates, so TRL is given flatrl's rule), fp32 elsewhere. TRL keeps its
 other defaults except gradient checkpointing, turned off so that it does not pay for memory it does
-not need here (pass --trl-grad-ckpt for its default). flatrl samples with HF generate, or with vLLM
+not need here (pass --trl-grad-ckpt for its default). flatrl samples with its HF decode loop, or with vLLM
 (--generator vllm, the adapter merged into its weights), or both (--generator hf vllm). Per-step times
 are printed as well as medians: as groups start to differ (fewer zero-variance rows skipped) flatrl's
 steps grow, so a median over the first steps flatters it. For flatrl, a per-step table splits each step
