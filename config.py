@@ -73,7 +73,7 @@ class Config:
     gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
     generator: str = "hf"  # sampler: hf (transformers generate) or vllm
     vllm_lora: str = "merge"  # vllm: merge = each published adapter merged into the engine's weights (fast); adapter = vLLM's LoRA kernels
-    vllm_compile: str = "auto"  # vllm: torch.compile the model (CUDA graphs too on a GPU); auto = on a GPU only (CPU: ~55 s of start-up for ~20% faster decoding)
+    vllm_compile: str = "auto"  # vllm: torch.compile the model (CUDA graphs too on a GPU); auto = on a GPU only (on a CPU: ~55 s of start-up for ~1.2x faster decoding)
     vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache
     vllm_kv_gib: int = 2  # vllm on a CPU: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE unless already set)
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
