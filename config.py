@@ -71,7 +71,7 @@ class Config:
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
     gen_batch: int = 64  # rows decoded together by the HF sampler (whole groups: at least one prompt's group_size rows)
     gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
-    generator: str = "hf"  # sampler: hf (transformers generate) or vllm
+    generator: str = "hf"  # sampler: hf (flatrl's decode loop on the transformers model) or vllm
     vllm_lora: str = "merge"  # vllm: merge = each published adapter merged into the engine's weights (fast); adapter = vLLM's LoRA kernels
     vllm_compile: str = "auto"  # vllm: torch.compile the model (CUDA graphs too on a GPU); auto = on a GPU only (on a CPU: ~55 s of start-up for ~1.2x faster decoding)
     vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache

