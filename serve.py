@@ -181,14 +181,17 @@ def make_handler(hub, cfg, expect, token):
             have, wait = q.get("have", -1), min(max(q.get("wait", 0), 0), 60)
             with hub.cond:
                 hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
-                if hub.done or hub.version >= cfg.steps:  # a worker stops at the final weights too
-                    hub.told.add(worker)
+                last = hub.done or hub.version >= cfg.steps  # a worker stops at the final weights too
                 if hub.done:
-                    return self.reply(410, {"error": "training finished"})
-                if hub.version == have:
-                    return self.reply(304, b"")
-                blob, headers = hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha)]
-            self.reply(200, blob, headers)
+                    answer = 410, {"error": "training finished"}
+                elif hub.version == have:
+                    answer = 304, b""
+                else:
+                    answer = 200, hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha)]
+            self.reply(*answer)
+            if last:  # told only once it has the answer: the trainer stops serving as soon as every worker is told
+                with hub.cond:
+                    hub.told.add(worker)
 
         def do_POST(self):
             if self.path != "/rollouts":
@@ -210,8 +213,8 @@ def make_handler(hub, cfg, expect, token):
             with hub.cond:
                 hub.seen[worker] = time.time()
                 if hub.done:
-                    hub.told.add(worker)
-                    return self.reply(410, {"error": "training finished"})
+                    self.reply(410, {"error": "training finished"})
+                    return hub.told.add(worker)
                 if batch.version > hub.version:
                     return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
                 if len(hub.queue) >= cfg.max_queue:
@@ -330,7 +333,7 @@ class AsyncSource:
 
 def call(cfg, path, body=None, timeout=120):
     """HTTP to the trainer -> (status, headers, body bytes). HTTP errors are answers; while the trainer is
-    unreachable, retry, backing off, for up to connect_timeout s."""
+    unreachable, retry every 0.5-2 s (a trainer that comes up is found within 2 s) for up to connect_timeout s."""
     url, token, start, delay = cfg.trainer_url.rstrip("/") + path, os.environ.get("FLATRL_TOKEN"), time.time(), 0.5
     headers = {"X-Flatrl-Worker": WORKER, **({"Authorization": f"Bearer {token}"} if token else {})}
     while True:
@@ -343,7 +346,7 @@ def call(cfg, path, body=None, timeout=120):
             if time.time() - start > cfg.connect_timeout:
                 raise SystemExit(f"trainer at {cfg.trainer_url} unreachable for {cfg.connect_timeout} s ({e}); giving up")
             time.sleep(delay)
-            delay = min(delay * 2, 8.0)
+            delay = min(delay * 2, 2.0)
 
 
 def run_worker(cfg, task, policy):

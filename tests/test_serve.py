@@ -9,6 +9,7 @@ import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,13 @@ def spawn(*args, env=None, cmd=None, cwd=ROOT):
 
 
 def output(proc, timeout=180):
-    proc.wait(timeout)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:  # stop it, and show what it was doing
+        proc.kill()
+        proc.wait()
+        proc.log.seek(0)
+        raise AssertionError(f"still running after {timeout} s; its output:\n{proc.log.read()[-3000:]}") from None
     proc.log.seek(0)
     return proc.log.read()
 
@@ -114,9 +121,10 @@ def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     pushed = {m[1]: int(m[2]) for o in outs for m in [re.search(r"worker (\w+): training finished after (\d+) batches", o)]}
     folders = os.listdir(tmp_path / "runs")
     assert len(folders) == 8 and sorted(f.rsplit("-worker-", 1)[1] for f in folders) == sorted(pushed)  # ...-worker-ID
-    for f in folders:  # a worker logs a row per batch it pushed (on a loaded machine one may push none)
+    for f in folders:  # a worker logs a row per batch it sent, with the answer (a full queue answers 503)
         files = set(os.listdir(tmp_path / "runs" / f))
-        assert "config.yaml" in files and ("metrics.csv" in files) == (pushed[f.rsplit("-worker-", 1)[1]] > 0)
+        sent = rows(tmp_path / "runs" / f) if "metrics.csv" in files else []  # on a loaded machine one may send none
+        assert "config.yaml" in files and sum(r["status"] == "200" for r in sent) == pushed[f.rsplit("-worker-", 1)[1]]
         assert not [x for x in files if x.endswith(".tmp")]
     assert len(rows(tmp_path / "t")) == 20
 
@@ -222,9 +230,9 @@ def post(port, body, headers=None, length=None):
         conn.close()
 
 
-def get(port, path, token=None):
+def get(port, path, token=None, headers=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+                                 headers={**({"Authorization": f"Bearer {token}"} if token else {}), **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, r.read(), r.headers
@@ -281,6 +289,22 @@ def test_weights_endpoint(source):
     assert get(source.port, "/weights?have=0&wait=1")[0] == 304 and time.time() - t >= 0.9  # long poll, bounded
     assert get(source.port, "/weights?have=zero")[0] == 400
     assert get(source.port, "/nope")[0] == 404
+
+
+def test_a_worker_is_told_training_ended_only_once_the_answer_reached_it(source):
+    gone = socket.create_connection(("127.0.0.1", source.port))  # a long poll whose worker vanishes before the end
+    gone.sendall(b"GET /weights?have=0&wait=30 HTTP/1.1\r\nHost: x\r\nX-Flatrl-Worker: gone\r\n\r\n")
+    wait_for(lambda: "gone" in source.hub.seen, 10)
+    gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    gone.close()  # a reset: the trainer's 410 cannot be delivered
+    time.sleep(0.5)
+    with source.hub.cond:
+        source.hub.done = True
+        source.hub.cond.notify_all()
+    time.sleep(1.0)
+    assert "gone" not in source.hub.told  # still waited for in close(): it has not heard
+    status, _, _ = get(source.port, "/weights?have=0", headers={"X-Flatrl-Worker": "back"})
+    assert status == 410 and source.hub.told == {"back"}
 
 
 def test_one_serialization_per_publish(source, monkeypatch):
