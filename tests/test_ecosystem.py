@@ -124,7 +124,7 @@ def test_a_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch):
 
 def test_the_run_picture_has_a_panel_per_metric_group(tmp_path):
     from matplotlib.image import imread
-    cartpole(tmp_path)
+    cartpole(tmp_path, "--plot", "on")
     img = imread(tmp_path / "curves.png")
     height, width, _ = img.shape
     # reward + eval, entropy, approx_kl + clipfrac, length + truncated, grad_norm: 5 panels on a 2 x 3 grid of

@@ -66,7 +66,7 @@ def test_two_step_train_per_algo(tiny_llm, tmp_path, digits_task, algo):
     lora_b = [v for k, v in ckpt.items() if "lora_B" in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b)  # PEFT starts B at 0: the adapter trained
     assert any("value_head" in k for k in ckpt) == (algo == "ppo")
-    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "curves.png").exists()  # --plot auto
     assert (tmp_path / "samples.jsonl").read_text().count('"step": 0') == 4
 
 
