@@ -246,7 +246,7 @@ def test_check_parity_passes_on_every_shipped_cpu_config():
 def test_sync_and_async_training_with_vllm(tmp_path):
     common = ["--config", "configs/arith_grpo_cpu.yaml", "--batch-size", "8", "--max-new-tokens", "16", "--n-eval", "4",
               "--eval-every", "0", "--lora-r", "8", "--vllm-max-len", "256", "--connect-timeout", "120"]
-    finish(spawn(*common, "--generator", "vllm", "--steps", "2", "--out", str(tmp_path / "sync")), timeout=600)
+    said = finish(spawn(*common, "--generator", "vllm", "--steps", "2", "--out", str(tmp_path / "sync")), timeout=600)
     assert len(rows(tmp_path / "sync")) == 2
     port = free_port()
     trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"))
@@ -255,6 +255,7 @@ def test_sync_and_async_training_with_vllm(tmp_path):
     finish(trainer, timeout=600)
     out = finish(worker, timeout=600)
     assert "parity vllm" in out and "training finished" in out  # the start-up parity check was logged
-    assert "Failed to load weights" not in out  # vLLM's warning for each layer a merge leaves untouched, silenced
+    for noise in ("Failed to load weights", "were not loaded from checkpoint", "Attempted to load weight"):
+        assert noise not in said and noise not in out  # vLLM's per-layer warnings at each merge reload, silenced
     trained = rows(tmp_path / "t")
     assert len(trained) == 2 and all(float(r["probe_gap"]) < 0.1 for r in trained)
