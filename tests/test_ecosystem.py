@@ -103,10 +103,13 @@ def test_tensorboard_events_are_written_and_read_back(tmp_path):
 
 
 def test_wandb_offline_writes_its_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="pip install wandb")
+    wandb = pytest.importorskip("wandb", reason="pip install wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cartpole(tmp_path, "--log-to", "wandb")
+    assert wandb.run is None  # flatrl finished its run
+    wandb.teardown()  # as at a process's exit: waits until wandb's service has written the run out (once in CI, the
+    # file still held only its 7-byte header when read right after finish() returned)
     (run,) = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     (log,) = (tmp_path / "wandb" / run).glob("*.wandb")  # protobuf records: wandb 0.31 has no Python reader
     data = log.read_bytes()
