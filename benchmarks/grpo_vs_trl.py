@@ -15,6 +15,7 @@ steps grow, so a median over the first steps flatters it. For flatrl, a per-step
 
     pip install trl && python .ci/cache_smollm2.py
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm
+    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator vllm --against REV  # a change
 
 Time to accuracy: the whole command's seconds (from its first line, imports included) until greedy accuracy on
 the preset's 32 held-out prompts first reaches 0.8, both evaluated every 5 steps (TRL through a callback, on
@@ -101,11 +102,11 @@ print("RESULT " + json.dumps({{"step_s": step_s, "reward": rewards, "evals": eva
 """
 
 
-def run_flatrl(steps, seed, generator):
+def run_flatrl(steps, seed, generator, root=ROOT):
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--steps", str(steps),
                "--eval-every", "0", "--seed", str(seed), "--generator", generator, "--out", d]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
         with open(f"{d}/metrics.csv") as f:
             rows = [r for r in csv.DictReader(f) if r["reward"]]
     t = [float(r["time_s"]) for r in rows]
@@ -187,6 +188,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator", nargs="+", default=["hf"], choices=["hf", "vllm"])
     p.add_argument("--trl-grad-ckpt", action="store_true")
+    p.add_argument("--against", metavar="REV", help="also run flatrl at git revision REV, in the same rounds")
     p.add_argument("--to-acc", type=float, help="instead: seconds until held-out accuracy first reaches this, per seed")
     p.add_argument("--eval-every", type=int, default=5, help="with --to-acc: evaluate every N steps, both alike")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="with --to-acc")
@@ -196,6 +198,11 @@ def main():
     if a.to_acc is not None:
         return time_to_accuracy(a)
     runs = {f"flatrl ({g})": lambda g=g: run_flatrl(a.steps, a.seed, g) for g in a.generator}
+    if a.against:  # the same runs with revision REV's code (and preset), in the same rounds
+        then = tempfile.mkdtemp(prefix="flatrl-then-")
+        archive = subprocess.run(["git", "-C", ROOT, "archive", a.against], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", then], input=archive, check=True)
+        runs.update({f"flatrl ({g}) at {a.against}": lambda g=g: run_flatrl(a.steps, a.seed, g, then) for g in a.generator})
     runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
     res = {k: [] for k in runs}
     for r in range(a.rounds):  # alternate: each contender once per round

@@ -150,9 +150,10 @@ class TestVLLM:
         out = capsys.readouterr().out
         assert "parity vllm (float32)" in out and "ok" in out
 
-    def test_a_cpu_engine_skips_torch_compile_by_default(self, vpolicy):
+    def test_a_cpu_engine_skips_torch_compile_and_caches_32_token_blocks(self, vpolicy):
         config = vpolicy.generator.llm.llm_engine.vllm_config  # --vllm-compile auto: ~55 s of start-up saved here
         assert vpolicy.cfg.vllm_compile == "auto" and config.model_config.enforce_eager
+        assert config.cache_config.block_size == 32 and config.cache_config.enable_prefix_caching  # a group's prompt once
 
     def test_parity_fails_on_a_temperature_mismatch(self, vpolicy):
         vpolicy.generator.cfg = dataclasses.replace(vpolicy.cfg, temperature=0.7)  # trainer stays at 1.0
