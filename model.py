@@ -192,7 +192,7 @@ class VLLMGenerator:
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
         cpu = cfg.device == "cpu"  # eager there (compiling costs more than it saves), and KV blocks of 32 tokens, not 128:
-        # the prefix cache shares whole blocks only, so a 45-token prompt's first 32 run once, not once per row
+        # the prefix cache shares whole blocks only, so a 45-token prompt's first 32 run once per group, not per row
         self.llm = LLM(model=local_copy(cfg.model), dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
                        gpu_memory_utilization=cfg.vllm_mem, logprobs_mode="processed_logprobs", generation_config="vllm",
                        enforce_eager=cfg.vllm_compile == "off" or cfg.vllm_compile == "auto" and cpu,
