@@ -24,9 +24,11 @@ the same prompts, greedy, 32 new tokens), per seed; each run stops there (at mos
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --to-acc 0.8 --eval-every 5 --steps 40 --seeds 0 1 --generator hf vllm
 """
 import argparse
+import atexit
 import csv
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -100,6 +102,15 @@ trainer.train()
 step_s = [b - a for a, b in zip([t0] + times[:-1], times)]
 print("RESULT " + json.dumps({{"step_s": step_s, "reward": rewards, "evals": evals}}))
 """
+
+
+def tree_at(rev, into):
+    """Git revision rev's files (git archive), extracted into the folder `into`: its code and its presets, to run
+    beside this checkout's (benchmarks/update.py --against too). -> into"""
+    os.makedirs(into, exist_ok=True)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    return into
 
 
 def run_flatrl(steps, seed, generator, root=ROOT):
@@ -199,9 +210,8 @@ def main():
         return time_to_accuracy(a)
     runs = {f"flatrl ({g})": lambda g=g: run_flatrl(a.steps, a.seed, g) for g in a.generator}
     if a.against:  # the same runs with revision REV's code (and preset), in the same rounds
-        then = tempfile.mkdtemp(prefix="flatrl-then-")
-        archive = subprocess.run(["git", "-C", ROOT, "archive", a.against], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", then], input=archive, check=True)
+        then = tree_at(a.against, tempfile.mkdtemp(prefix="flatrl-then-"))
+        atexit.register(shutil.rmtree, then, True)
         runs.update({f"flatrl ({g}) at {a.against}": lambda g=g: run_flatrl(a.steps, a.seed, g, then) for g in a.generator})
     runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
     res = {k: [] for k in runs}

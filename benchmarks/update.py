@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as config_lib  # noqa: E402
 import train  # noqa: E402
+from grpo_vs_trl import tree_at  # noqa: E402  (benchmarks/, this script's folder, is on sys.path)
 from algos import ADVANTAGES  # noqa: E402
 from model import HFPolicy  # noqa: E402
 from tasks import TASKS  # noqa: E402
@@ -56,10 +57,7 @@ for i in range(3):
 def against(rev, batch, rounds):
     """This checkout's update against revision rev's, a fresh process each, alternating. -> {side: [s per round]}"""
     with tempfile.TemporaryDirectory() as tmp:
-        then = os.path.join(tmp, "then")
-        os.makedirs(then)
-        archive = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", then], input=archive, check=True)
+        then = tree_at(rev, os.path.join(tmp, "then"))
         path = os.path.join(tmp, "batch.safetensors")
         save_file({k: v.contiguous() for k, v in batch.tensors().items()}, path)
         res = {"now": [], rev: []}
