@@ -88,13 +88,17 @@ def rows(run_dir):
 
 CARTPOLE = ["--task", "cartpole", "--algo", "reinforce", "--batch-size", "4", "--no-stop-when-solved",
             "--eval-every", "0", "--connect-timeout", "60"]
+# For several workers that must all join: a worker retries an unreachable trainer every 0.5-2 s, and at 4 rows a batch
+# 7 workers fed a trainer 20 steps in under 2 s, so the 8th, asleep between retries, found it gone and retried until
+# --connect-timeout. 16 rows a batch keep the trainer at it for 5-8 s.
+CARTPOLE16 = [*CARTPOLE, "--batch-size", "16"]
 
 
 def test_trainer_and_two_workers_end_to_end(tmp_path):
     port = free_port()  # the workers start first (they retry until the trainer is up): both join
-    workers = [spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
+    workers = [spawn(*CARTPOLE16, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
                      "--out", str(tmp_path / f"w{i}")) for i in range(2)]
-    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
+    trainer = spawn(*CARTPOLE16, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
     finish(trainer)
     outs = [finish(w) for w in workers]
     assert all("training finished" in o for o in outs)  # workers notice the end and exit 0
@@ -109,12 +113,11 @@ def test_trainer_and_two_workers_end_to_end(tmp_path):
 
 def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     port = free_port()
-    workers = [spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1",
+    workers = [spawn(*CARTPOLE16, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1",
                      "--connect-timeout", "300", cwd=tmp_path) for _ in range(8)]  # one command, default folders, one folder
-    # the trainer starts once every worker is up (its config written): a worker still importing when a fast trainer
-    # had already finished would find no one to connect to
+    # the trainer starts once every worker is up (its config written), so each is retrying (CARTPOLE16)
     wait_for(lambda: len([f for f in os.listdir(tmp_path / "runs") if os.path.exists(tmp_path / "runs" / f / "config.yaml")]) == 8, 240)
-    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
+    trainer = spawn(*CARTPOLE16, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
     finish(trainer, timeout=300)
     outs = [finish(w, timeout=120) for w in workers]
     assert all("training finished" in o for o in outs)  # none crashed, each exited by itself
