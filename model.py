@@ -6,6 +6,7 @@ and control policies add act(obs, greedy) -> actions [B] for batched environment
 import contextlib
 import copy
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -77,6 +78,27 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM holds
 # for backward are small: up to this many query-key pairs per layer and head (~15% off an arith update: PyTorch's CPU
 # flash kernel has a backward 4x its forward). Past it, flash: the math backend's memory grows as S^2.
 PLAIN_ATTENTION = 2**20
+# forward_logits' runs: the fixed cost of one more pass, in positions of work. SmolLM2-135M on a 2-core CPU: a position
+# 3.2 ms of an update, one more pass 0.26-0.4 s (thousands of small ops), so ~100; 128 splits only where it clearly
+# pays. Unmeasured on a GPU (positions cheap next to a pass's kernel launches): one run there.
+RUN_COST = {"cpu": 128}
+
+
+def runs(lengths, prompt, cost):
+    """Rows (each `prompt` + lengths[i] positions) in runs of neighbours [(a, b)], each padded to its longest: the
+    cheapest cover, counting every run's positions plus `cost`. Rows sorted by length (train.micro_batches) make it
+    pay; any order is correct. O(N^2) over a micro-batch's N rows."""
+    best, cut = [0] + [math.inf] * len(lengths), [0] * (len(lengths) + 1)
+    for b in range(1, len(lengths) + 1):
+        longest = 0
+        for a in range(b - 1, -1, -1):
+            longest = max(longest, lengths[a])
+            if best[a] + (b - a) * (prompt + longest) + cost < best[b]:
+                best[b], cut[b] = best[a] + (b - a) * (prompt + longest) + cost, a
+    ends = [len(lengths)]
+    while ends[-1]:
+        ends.append(cut[ends[-1]])
+    return list(zip(ends[::-1], ends[-2::-1]))
 
 
 @torch.no_grad()
@@ -318,36 +340,50 @@ class HFPolicy(nn.Module):
         """Logits at the completions' real tokens [M, V] (padding never reaches the LM head), and the final hidden
         states at the T positions that predict the completion [N, T, H]. A shared prompt's first P - 1 tokens run
         once, and each row's rest runs on its KV cache (indexed out over the rows): the same logits, and backward
-        sums every row's gradient through the prompt."""
+        sums every row's gradient through the prompt. The rows run in runs of neighbours (runs()), each cut to its
+        longest completion: a reply that hit max_new_tokens does not pad the short ones to its length."""
         T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
-        shared, cache, tie = self.shared_prompts(batch), None, 0.0
+        shared, prompt, tie, tokens = self.shared_prompts(batch), None, 0.0, batch.tokens
         plain = self.device.type == "cpu" and batch.obs.shape[0] * T * batch.obs.shape[1] <= PLAIN_ATTENTION
+        logits, states = [], []
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast), \
                 sdpa_kernel(SDPBackend.MATH) if plain else contextlib.nullcontext():
             if shared is not None:
                 first, inv = shared
                 pre = lm(input_ids=batch.obs[first, :P - 1], attention_mask=batch.attn[first, :P - 1],
                          position_ids=pos[first, :P - 1], use_cache=True, logits_to_keep=1)
-                cache, tie = pre.past_key_values, 0 * pre.logits.sum()  # tie: under FSDP, backward reaches the prompt
-                cache.batch_select_indices(inv.to(self.device))     # pass's outputs too (its all-gather hooks sit there)
-            cols = slice(0 if cache is None else P - 1, -1)  # the last token predicts nothing: not run
-            with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][batch.tokens],)):  # [M, H]
-                out = lm(input_ids=batch.obs[:, cols], attention_mask=batch.attn[:, :-1], position_ids=pos[:, cols],
-                         past_key_values=cache, use_cache=cache is not None, output_hidden_states=hidden, logits_to_keep=T)
-        return out.logits + tie, (out.hidden_states[-1][:, -T:] if hidden else None)  # [M, V], [N, T, H]
+                # tie: under FSDP, backward reaches the prompt pass's outputs too (its all-gather hooks sit there)
+                prompt, tie = pre.past_key_values, 0 * pre.logits.sum()
+            lengths, unshared = tokens.sum(1).tolist(), 0 if prompt is not None else P - 1  # [N], positions per row
+            one = self.cfg.fsdp or self.device.type not in RUN_COST  # FSDP: every rank runs the same passes
+            for a, b in [(0, len(lengths))] if one else runs(lengths, unshared, RUN_COST[self.device.type]):
+                t, cache = max(max(lengths[a:b]), 1), None
+                if prompt is not None:  # rows a..b's prompts, in a cache of their own (a forward appends to it)
+                    cache = copy.copy(prompt)
+                    cache.layers = [copy.copy(layer) for layer in prompt.layers]
+                    cache.batch_select_indices(inv[a:b].to(self.device))
+                cols = slice(0 if cache is None else P - 1, P - 1 + t)  # the last token predicts nothing: not run
+                keep = tokens[a:b, :t]
+                with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][keep],)):  # [m, H]
+                    out = lm(input_ids=batch.obs[a:b, cols], attention_mask=batch.attn[a:b, :P - 1 + t],
+                             position_ids=pos[a:b, cols], past_key_values=cache, use_cache=cache is not None,
+                             output_hidden_states=hidden, logits_to_keep=t)
+                logits.append(out.logits)
+                states.append(F.pad(out.hidden_states[-1][:, -t:], (0, 0, 0, T - t)) if hidden else None)
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)) + tie, torch.cat(states) if hidden else None
 
     def token_logp(self, logits, batch, entropy=False, temperature=None):
         """log softmax(logits / temperature) at the sampled tokens, for forward_logits' [M, V], chunked so that no
         second full-vocab fp32 copy of them is ever held. -> logp [N, T], entropy [N, T] or None (0 at padding)"""
         real, t = batch.tokens, temperature or self.cfg.temperature  # [N, T]
-        actions, logps, ents = batch.actions[real], [], []  # [M]
-        for sl in torch.arange(len(logits)).split(4096):
-            lsm = torch.log_softmax(logits[sl].float() / t if t != 1 else logits[sl].float(), -1)  # [m, V]
-            logps.append(lsm.gather(-1, actions[sl, None])[:, 0])
+        logps, ents = [], []
+        for z, a in zip(logits.split(4096), batch.actions[real].split(4096)):  # views, [m, V] and [m]
+            lsm = torch.log_softmax(z.float() / t if t != 1 else z.float(), -1)  # [m, V]
+            logps.append(lsm.gather(-1, a[:, None])[:, 0])
             if entropy:  # H = -sum(p log p); with grad only when the loss has an entropy bonus
                 with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.ent_coef)):
-                    ents.append(-(lsm.exp() * lsm).sum(-1))
+                    ents.append(-torch.linalg.vecdot(lsm.exp(), lsm))
         spread = lambda x: torch.zeros(real.shape, device=x.device).masked_scatter(real, x)  # noqa: E731  [M] -> [N, T]
         return spread(torch.cat(logps)), (spread(torch.cat(ents)) if entropy else None)
 

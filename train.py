@@ -41,14 +41,16 @@ def build(cfg):
 def micro_batches(batch, size):
     """The rows in pieces of at most `size` (0 = one), groups kept whole (their prompt runs once, forward_logits) and
     ordered by their longest completion, each piece trimmed of all-padding columns (a two-token answer is not padded
-    to the batch's longest). Losses add up over pieces: the same gradient. -> [(row indices, Batch)]"""
+    to the batch's longest) and its rows sorted by length (forward_logits runs neighbours together). Losses add up
+    over pieces: the same gradient. -> [(row indices, Batch)]"""
     N = len(batch.mask)
     if not N or batch.attn is None:
         return [(idx, batch.rows(idx)) for idx in torch.arange(N).split(size or N)] if N else []
     _, g = torch.unique(batch.group, return_inverse=True)  # [N] groups numbered 0..G-1
-    longest = torch.zeros(N).scatter_reduce(0, g, batch.tokens.sum(1).float(), "amax")[g]  # [N] of the row's group
-    order = (longest * N + g).argsort(stable=True)
-    return [(idx, batch.rows(idx).trimmed()) for idx in order.split(size or N)]
+    length = batch.tokens.sum(1)  # [N]
+    longest = torch.zeros(N).scatter_reduce(0, g, length.float(), "amax")[g]  # [N] of the row's group
+    pieces = [idx[length[idx].argsort(stable=True)] for idx in (longest * N + g).argsort(stable=True).split(size or N)]
+    return [(idx, batch.rows(idx).trimmed()) for idx in pieces]
 
 
 def unsplit(pieces, outs, whole):

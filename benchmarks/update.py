@@ -12,6 +12,11 @@ process per round, alternating, on the same saved batch: three updates each, the
 cb9de4b^ is the code before a group's prompt ran once (the update issue #19 started from).
 
     HF_HUB_OFFLINE=1 python benchmarks/update.py --rounds 5 --against cb9de4b^
+
+--lengths cuts the sampled completions to given lengths: a later step's batch, where most replies are short and a
+few still run to max_new_tokens (what forward_logits' runs are for).
+
+    HF_HUB_OFFLINE=1 python benchmarks/update.py --rounds 5 --against 7f14517 --lengths 12,10,11,9,13,32,12,10
 """
 import argparse
 import dataclasses
@@ -76,12 +81,19 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--whole-micro-batch", type=int, default=8, help="the whole-row side's (the preset's before)")
     p.add_argument("--against", metavar="REV", help="compare with git revision REV's code and preset instead")
+    p.add_argument("--lengths", help="cut the rows' completions to these lengths, cycled: 12,10,11,9,13,32,12,10 is "
+                   "a later step's shape (most replies short, a few at max_new_tokens)")
     a = p.parse_args()
     cfg = config_lib.parse(["--config", "configs/arith_grpo_cpu.yaml", "--seed", str(a.seed)],
                            {"task": list(TASKS), "algo": list(ADVANTAGES)})
     torch.manual_seed(a.seed)
     policy, task = HFPolicy(cfg), TASKS[cfg.task](cfg)
     batch = task.rollout(policy, step=0)
+    if a.lengths:  # each row's completion cut to these lengths, cycled (a later step's shape)
+        P, cut = batch.obs.shape[1] - batch.mask.shape[1], [int(x) for x in a.lengths.split(",")]
+        prompts = [o[:P][m[:P] > 0].tolist() for o, m in zip(batch.obs, batch.attn)]
+        tails = [o[P:P + cut[i % len(cut)]].tolist() for i, o in enumerate(batch.obs)]
+        batch = policy.to_batch(prompts, tails, n=cfg.group_size)
     batch.rewards = torch.rand_like(batch.mask) * batch.mask  # every group varies: every row trains
     batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
     if a.against:

@@ -301,9 +301,23 @@ def scores_and_grads(policy, batch, cfg):
     return scores, torch.cat([p.grad.flatten() for p in policy.params().values() if p.grad is not None])
 
 
+def test_rows_run_in_the_cheapest_runs_of_neighbours():
+    from model import runs
+    assert runs([12] * 24 + [32] * 4, 0, 32) == [(0, 24), (24, 28)]  # 24 x 12 + 4 x 32 + 2 x 32, not 28 x 32 + 32
+    assert runs([2, 3, 5, 7], 0, 32) == [(0, 4)]  # 4 x 7 + 32: splitting saves fewer positions than a pass costs
+    assert runs([2, 3, 5, 7], 0, 0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert runs([2, 3, 5, 7], 0, 3) == [(0, 2), (2, 4)]  # 2 x 3 + 2 x 7 + 2 x 3 = 26; one run 31, three 27, four 29
+    assert runs([32, 3, 3], 0, 1) == [(0, 1), (1, 3)] and runs([3, 32, 3], 0, 1) == [(0, 1), (1, 2), (2, 3)]
+    assert runs([3, 3, 30, 30], 10, 1) == [(0, 2), (2, 4)] and runs([3, 4], 100, 0) == [(0, 1), (1, 2)]
+    assert runs([5], 44, 32) == [(0, 1)] and runs([], 0, 32) == []
+
+
 @pytest.mark.parametrize("lora_r,algo", [(4, "grpo"), (0, "grpo"), (4, "ppo")])
 @pytest.mark.parametrize("micro", [0, 4])
-def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora_r, algo, micro):
+@pytest.mark.parametrize("run_cost", [128, 0])  # 0: a run for each length (forward_logits' runs), 128: one run
+def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora_r, algo, micro, run_cost, monkeypatch):
+    import model
+    monkeypatch.setattr(model, "RUN_COST", {"cpu": run_cost})
     cfg = llm_cfg(tiny_llm, lora_r=lora_r, algo=algo, group_size=3, batch_size=6, kl_coef=0.1, micro_batch=micro)
     torch.manual_seed(0)
     policy = HFPolicy(cfg)
@@ -316,8 +330,8 @@ def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora
     batch = policy.to_batch(prompts, tails, masks=masks, n=3)
     first, inv = policy.shared_prompts(batch)
     assert len(first) == 2 and len(set(inv[:3].tolist())) == len(set(inv[3:].tolist())) == 1 and inv[0] != inv[3]
-    if micro:  # groups ordered by their longest completion, a group split over two pieces: [3, 4, 5, 0], [1, 2]
-        assert [idx.tolist() for idx, _ in train.micro_batches(batch, micro)] == [[3, 4, 5, 0], [1, 2]]
+    if micro:  # groups ordered by their longest completion, a group split over two pieces, rows by length in each
+        assert [idx.tolist() for idx, _ in train.micro_batches(batch, micro)] == [[3, 5, 4, 0], [1, 2]]
     shared, g_shared = scores_and_grads(policy, batch, cfg)
     policy.cfg = dataclasses.replace(cfg, group_size=1)
     assert policy.shared_prompts(batch) is None
