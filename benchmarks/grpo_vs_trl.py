@@ -25,6 +25,7 @@ the same prompts, greedy, 32 new tokens), per seed; each run stops there (at mos
 """
 import argparse
 import atexit
+import contextlib
 import csv
 import json
 import os
@@ -139,7 +140,8 @@ def flatrl_to(target, every, steps, seed, generator):
             if os.path.exists(f"{d}/metrics.csv"):
                 with open(f"{d}/metrics.csv") as f:
                     evals = [(int(r["step"]), float(r["time_s"]), float(r["eval_acc"])) for r in csv.DictReader(f) if r.get("eval_acc")]
-        os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine processes too
+        with contextlib.suppress(ProcessLookupError):  # (none left: it ran all its steps without reaching target)
+            os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine processes too
         proc.wait()
     return next((t for _, t, acc in evals if acc >= target), None), evals
 
