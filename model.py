@@ -93,8 +93,8 @@ def runs(lengths, prompt, cost):
         longest = 0
         for a in range(b - 1, -1, -1):
             longest = max(longest, lengths[a])
-            if best[a] + (b - a) * (prompt + longest) + cost < best[b]:
-                best[b], cut[b] = best[a] + (b - a) * (prompt + longest) + cost, a
+            if (c := best[a] + (b - a) * (prompt + longest) + cost) < best[b]:  # the last run: rows a..b-1
+                best[b], cut[b] = c, a
     ends = [len(lengths)]
     while ends[-1]:
         ends.append(cut[ends[-1]])

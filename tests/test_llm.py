@@ -332,8 +332,11 @@ def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora
     assert len(first) == 2 and len(set(inv[:3].tolist())) == len(set(inv[3:].tolist())) == 1 and inv[0] != inv[3]
     if micro:  # groups ordered by their longest completion, a group split over two pieces, rows by length in each
         assert [idx.tolist() for idx, _ in train.micro_batches(batch, micro)] == [[3, 5, 4, 0], [1, 2]]
+    if not run_cost:  # every piece really is cut into several runs
+        assert all(len(model.runs(mb.tokens.sum(1).tolist(), 0, 0)) > 1 for _, mb in train.micro_batches(batch, micro))
     shared, g_shared = scores_and_grads(policy, batch, cfg)
     policy.cfg = dataclasses.replace(cfg, group_size=1)
+    monkeypatch.setattr(model, "RUN_COST", {})  # the reference: every row whole, all of a piece in one pass
     assert policy.shared_prompts(batch) is None
     whole, g_whole = scores_and_grads(policy, batch, cfg)
     for k in shared:
