@@ -22,6 +22,11 @@ the preset's 32 held-out prompts first reaches 0.8, both evaluated every 5 steps
 the same prompts, greedy, 32 new tokens), per seed; each run stops there (at most --steps steps):
 
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --to-acc 0.8 --eval-every 5 --steps 40 --seeds 0 1 --generator hf vllm
+
+--to-acc 0 stops each run at its step-0 evaluation: start-up's seconds (imports, models, the first greedy evaluation);
+with --against REV, revision REV's flatrl runs too, in the same turns (a start-up change):
+
+    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --to-acc 0 --seeds 0 1 2 3 4 --generator vllm hf --against HEAD
 """
 import argparse
 import atexit
@@ -128,42 +133,58 @@ def run_flatrl(steps, seed, generator, root=ROOT):
                                    "gen_tok_s", "train_tok_s")}}
 
 
-def flatrl_to(target, every, steps, seed, generator):
+def flatrl_to(target, every, steps, seed, generator, root=ROOT):
     """Whole-command seconds (train.py's clock, from its first line) until held-out eval_acc first reaches
-    `target`, evaluating every `every` steps; the run is stopped there. -> (seconds or None, [(step, s, acc)])"""
+    `target`, evaluating every `every` steps; the run is stopped there. -> (seconds or None, [(step, s, acc)])
+    A step's row is logged after its training, which follows its evaluation: the evaluation ended at the row's
+    time_s less that step's phases (TRL's clock, too, is read as its evaluation ends)."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--steps", str(steps), "--eval-every",
                str(every), "--seed", str(seed), "--generator", generator, "--out", d]
-        proc, evals = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), []
+        proc, evals = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), []
         while proc.poll() is None and not (evals and evals[-1][2] >= target):
             time.sleep(0.5)
             if os.path.exists(f"{d}/metrics.csv"):
                 with open(f"{d}/metrics.csv") as f:
-                    evals = [(int(r["step"]), float(r["time_s"]), float(r["eval_acc"])) for r in csv.DictReader(f) if r.get("eval_acc")]
+                    phases = lambda r: sum(float(r.get(k) or 0) for k in ("rollout_s", "score_s", "update_s", "publish_s"))  # noqa: E731
+                    evals = [(int(r["step"]), float(r["time_s"]) - phases(r), float(r["eval_acc"]))
+                             for r in csv.DictReader(f) if r.get("eval_acc")]
         with contextlib.suppress(ProcessLookupError):  # (none left: it ran all its steps without reaching target)
             os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine processes too
         proc.wait()
     return next((t for _, t, acc in evals if acc >= target), None), evals
 
 
-def time_to_accuracy(a):
-    """Per seed, in turn: flatrl (each generator), then TRL, each until held-out accuracy first reaches a.to_acc."""
+def time_to_accuracy(a, then=None):
+    """Per seed, in turn: flatrl (each generator; and at revision a.against, its tree `then`), then TRL, each until
+    held-out accuracy first reaches a.to_acc (--to-acc 0: the seconds to the step-0 evaluation, start-up's)."""
     res = {}
     for seed in a.seeds:
         for g in a.generator:
             res.setdefault(f"flatrl ({g})", []).append(flatrl_to(a.to_acc, a.eval_every, a.steps, seed, g))
+            if then:
+                res.setdefault(f"flatrl ({g}) at {a.against}", []).append(
+                    flatrl_to(a.to_acc, a.eval_every, a.steps, seed, g, then))
         trl = run_trl(a.steps, seed, a.trl_grad_ckpt, a.eval_every, a.to_acc)["evals"]
         res.setdefault("TRL GRPOTrainer", []).append((next((t for _, t, acc in trl if acc >= a.to_acc), None), trl))
         for k, v in res.items():
             print(f"seed {seed} {k}: {v[-1][0]} s; evaluations (step, s, acc): "
                   f"{[(s, round(t), round(acc, 2)) for s, t, acc in v[-1][1]]}", flush=True)
-    print(f"\n| seed | " + " | ".join(res) + " | " + " | ".join(f"{k} vs TRL" for k in res if k.startswith("flatrl")) + " |")
-    print("|---" * (1 + len(res) + len(a.generator)) + "|")
+    ours = [k for k in res if k.startswith("flatrl")]
+    print(f"\n| seed | " + " | ".join(res) + " | " + " | ".join(f"{k} vs TRL" for k in ours) + " |")
+    print("|---" * (1 + len(res) + len(ours)) + "|")
     fmt = lambda t: f"{t:.0f} s" if t is not None else f"not within {a.steps} steps"  # noqa: E731
+    ratio = lambda t, trl: t / trl if t and trl else None  # noqa: E731
     for i, seed in enumerate(a.seeds):
         trl = res["TRL GRPOTrainer"][i][0]
-        ratios = [f"{v[i][0] / trl:.2f}x" if v[i][0] and trl else "-" for k, v in res.items() if k.startswith("flatrl")]
-        print(f"| {seed} | " + " | ".join(fmt(v[i][0]) for v in res.values()) + " | " + " | ".join(ratios) + " |")
+        ratios = [ratio(res[k][i][0], trl) for k in ours]
+        print(f"| {seed} | " + " | ".join(fmt(v[i][0]) for v in res.values()) + " | "
+              + " | ".join(f"{x:.2f}x" if x else "-" for x in ratios) + " |")
+    if len(a.seeds) > 2:  # medians over the seeds that got there (a run that did not is left out: it flatters)
+        med = lambda xs: f"{statistics.median(xs):.2f}" if xs else "-"  # noqa: E731
+        print("| median | " + " | ".join(med([t for t, _ in v if t is not None]) + " s" for v in res.values()) + " | "
+              + " | ".join(med([x for i in range(len(a.seeds)) if (x := ratio(res[k][i][0], res["TRL GRPOTrainer"][i][0]))])
+                           + "x" for k in ours) + " |")
 
 
 def floor_table(name, runs):
@@ -208,12 +229,13 @@ def main():
     a = p.parse_args()
     if a.steps < 3 or a.rounds < 1 or a.eval_every < 1:
         p.error("--steps must be >= 3, --rounds and --eval-every >= 1")
+    then = a.against and tree_at(a.against, tempfile.mkdtemp(prefix="flatrl-then-"))  # REV's code and preset
+    if then:
+        atexit.register(shutil.rmtree, then, True)
     if a.to_acc is not None:
-        return time_to_accuracy(a)
+        return time_to_accuracy(a, then)
     runs = {f"flatrl ({g})": lambda g=g: run_flatrl(a.steps, a.seed, g) for g in a.generator}
     if a.against:  # the same runs with revision REV's code (and preset), in the same rounds
-        then = tree_at(a.against, tempfile.mkdtemp(prefix="flatrl-then-"))
-        atexit.register(shutil.rmtree, then, True)
         runs.update({f"flatrl ({g}) at {a.against}": lambda g=g: run_flatrl(a.steps, a.seed, g, then) for g in a.generator})
     runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
     res = {k: [] for k in runs}
