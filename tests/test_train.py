@@ -2,6 +2,7 @@
 what a new user meets: one-line errors, the group-size guard, where the results went."""
 import copy
 import csv
+import gc
 import json
 import os
 import random
@@ -255,6 +256,18 @@ def test_two_step_smoke_per_algo(tmp_path, algo):
     assert cols <= set(rows[0]) and [r["step"] for r in rows] == ["0", "1", "2"]
     assert rows[0]["eval_return"] != "" and rows[1]["eval_return"] == ""  # eval at step 0, eval_every 5
     assert not (tmp_path / "curves.png").exists() and (tmp_path / "config.yaml").exists()  # --plot auto: LLM runs only
+
+
+def test_a_script_starts_without_collections_then_freezes_what_it_built(tmp_path):
+    gc.disable()  # as train.py does when run as a script (collection stays on for library callers)
+    try:
+        train.main(["--task", "cartpole", "--steps", "1", "--out", str(tmp_path)])
+        assert gc.isenabled() and gc.get_freeze_count() > 0  # on again after build, start-up's objects frozen
+    finally:
+        gc.enable(), gc.unfreeze()
+    before = gc.get_freeze_count()
+    train.main(["--task", "cartpole", "--steps", "1", "--out", str(tmp_path / "lib")])
+    assert gc.get_freeze_count() == before == 0  # called as a library: nothing frozen
 
 
 def test_acrobot_runs_and_is_named_after_its_env(tmp_path, monkeypatch):
