@@ -216,7 +216,8 @@ class VLLMGenerator:
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
         cpu = cfg.device == "cpu"  # eager there (compiling costs more than it saves), and KV blocks of 32 tokens, not 128:
         # the prefix cache shares whole blocks only, so a 45-token prompt's first 32 run once per group, not per row
-        gc.freeze()  # vLLM's start-up collects garbage in full 5+ times (~2.8 s); what lives now lives all run: spared
+        if not gc.isenabled():  # train.py run as a script (see its top): vLLM's start-up still collects in full 5
+            gc.freeze()  # times (~2.9 s over what exists now, which lives all run anyway): keep that out of them
         self.llm = LLM(model=local_copy(cfg.model), dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
                        gpu_memory_utilization=cfg.vllm_mem, logprobs_mode="processed_logprobs", generation_config="vllm",
                        enforce_eager=cfg.vllm_compile == "off" or cfg.vllm_compile == "auto" and cpu,

@@ -141,12 +141,12 @@ def flatrl_to(target, every, steps, seed, generator, root=ROOT):
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "train.py", "--config", "configs/arith_grpo_cpu.yaml", "--steps", str(steps), "--eval-every",
                str(every), "--seed", str(seed), "--generator", generator, "--out", d]
+        phases = lambda r: sum(float(r.get(k) or 0) for k in ("rollout_s", "score_s", "update_s", "publish_s"))  # noqa: E731
         proc, evals = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), []
         while proc.poll() is None and not (evals and evals[-1][2] >= target):
             time.sleep(0.5)
             if os.path.exists(f"{d}/metrics.csv"):
                 with open(f"{d}/metrics.csv") as f:
-                    phases = lambda r: sum(float(r.get(k) or 0) for k in ("rollout_s", "score_s", "update_s", "publish_s"))  # noqa: E731
                     evals = [(int(r["step"]), float(r["time_s"]) - phases(r), float(r["eval_acc"]))
                              for r in csv.DictReader(f) if r.get("eval_acc")]
         with contextlib.suppress(ProcessLookupError):  # (none left: it ran all its steps without reaching target)
@@ -181,10 +181,10 @@ def time_to_accuracy(a, then=None):
         print(f"| {seed} | " + " | ".join(fmt(v[i][0]) for v in res.values()) + " | "
               + " | ".join(f"{x:.2f}x" if x else "-" for x in ratios) + " |")
     if len(a.seeds) > 2:  # medians over the seeds that got there (a run that did not is left out: it flatters)
-        med = lambda xs: f"{statistics.median(xs):.2f}" if xs else "-"  # noqa: E731
-        print("| median | " + " | ".join(med([t for t, _ in v if t is not None]) + " s" for v in res.values()) + " | "
-              + " | ".join(med([x for i in range(len(a.seeds)) if (x := ratio(res[k][i][0], res["TRL GRPOTrainer"][i][0]))])
-                           + "x" for k in ours) + " |")
+        med = lambda xs, unit: f"{statistics.median(xs):.2f}{unit}" if xs else "-"  # noqa: E731
+        print("| median | " + " | ".join(med([t for t, _ in v if t is not None], " s") for v in res.values()) + " | "
+              + " | ".join(med([x for i in range(len(a.seeds)) if (x := ratio(res[k][i][0], res["TRL GRPOTrainer"][i][0]))], "x")
+                           for k in ours) + " |")
 
 
 def floor_table(name, runs):
