@@ -27,8 +27,8 @@ from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, 
 from model import HFPolicy, MLPPolicy, check_parity
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Adam, Logger, Timer, all_reduce_sum, broadcast_bytes, fresh_dir, full, held_mb, like,
-                   load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
+from utils import (Adam, Logger, Timer, all_reduce_sum, broadcast_bytes, fresh_dir, full, held_mb, keep_freed_memory,
+                   like, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
 
 
 def build(cfg):
@@ -317,6 +317,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # each step's big tensors reuse the last step's pages (utils)
     try:
         main()
         status = 0

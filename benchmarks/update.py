@@ -50,6 +50,7 @@ from safetensors.torch import load_file
 from tasks import TASKS
 from utils import Batch
 cfg = config.parse(["--config", "configs/arith_grpo_cpu.yaml"], {"task": list(TASKS), "algo": list(ADVANTAGES)})
+getattr(train, "keep_freed_memory", lambda: None)()  # as train.py run as a script does (a revision before it: not)
 policy, batch = HFPolicy(cfg), Batch(**load_file(sys.argv[1]))
 opt = torch.optim.SGD([x for x in policy.parameters() if x.requires_grad], lr=0.0)
 for i in range(3):

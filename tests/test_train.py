@@ -270,6 +270,25 @@ def test_a_script_starts_without_collections_then_freezes_what_it_built(tmp_path
     assert gc.get_freeze_count() == before == 0  # called as a library: nothing frozen
 
 
+FAULTS = """import resource, sys, torch, utils
+if sys.argv[1] == "keep":
+    utils.keep_freed_memory()
+for step in range(6):  # a step's big tensors, 4 x 64 MB (each over glibc's largest mmap threshold, 32 MB), freed together
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    xs = [torch.ones(2**24) for _ in range(4)]
+    del xs
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)  # the last step's page faults
+"""
+
+
+def test_a_script_keeps_freed_memory_for_the_next_step():
+    """train.py as a script calls keep_freed_memory; a fresh process each way (the setting lasts the process)."""
+    faults = {how: int(subprocess.run([sys.executable, "-c", FAULTS, how], capture_output=True, text=True, check=True,
+                                      cwd=os.path.dirname(os.path.dirname(__file__))).stdout) for how in ("default", "keep")}
+    assert faults["default"] >= 2**28 // 2**21  # glibc's default: fresh pages every step (one per 2 MB page at least)
+    assert faults["keep"] < 64  # the last step's 256 MB reused in place: no page touched for the first time
+
+
 def test_acrobot_runs_and_is_named_after_its_env(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     train.main(["--task", "cartpole", "--env", "Acrobot-v1", "--steps", "1", "--batch-size", "2", "--eval-episodes", "2"])
