@@ -198,7 +198,7 @@ def keep_freed_memory():
     logits, log-softmax and their gradients (~1.3 GB for the CPU preset) come back as fresh pages: ~330k page
     faults and 0.6-1.4 s of kernel time per update here. No mmap, no trimming: freed memory stays in the process
     for the next step (resident memory stays at its peak). train.py calls it when run as a script; glibc only."""
-    with contextlib.suppress(OSError, AttributeError):  # another libc (macOS, musl): Python's default stays
+    with contextlib.suppress(OSError, AttributeError):  # another libc (macOS, musl): its default stays
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-4, 0), libc.mallopt(-1, -1)  # M_MMAP_MAX = 0 (no mmap); M_TRIM_THRESHOLD = -1 (never trim)
 

@@ -22,8 +22,6 @@ from algos import ADVANTAGES  # noqa: E402
 from tasks import TASKS  # noqa: E402
 from utils import fast_bf16  # noqa: E402
 
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
 
 def flatrl_gradient(policy, batch, cfg, max_len, autocast):
     """LoRA gradients of one update on `batch` (no clipping), read where the optimizer would step. -> {name: grad}"""
@@ -42,27 +40,28 @@ def flatrl_gradient(policy, batch, cfg, max_len, autocast):
     return grads
 
 
-def trl_gradient(policy, batch, bf16, seed):
-    """The same LoRA weights in TRL's GRPOTrainer (configured as benchmarks/grpo_vs_trl.py runs it); its loss on the
-    batch, backward. -> {flatrl's name: grad}"""
+def trl_gradient(policy, batch, cfg, bf16):
+    """The same LoRA weights in TRL's GRPOTrainer, configured from flatrl's cfg as benchmarks/grpo_vs_trl.py runs it;
+    its loss on the batch, backward. -> {flatrl's name: grad}"""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=32, num_generations=4,
-                      max_completion_length=32, temperature=1.0, beta=0.0, num_iterations=1, learning_rate=3e-4,
-                      max_grad_norm=1.0, max_steps=1, report_to=[], seed=seed, use_cpu=True, bf16=bf16,
-                      gradient_checkpointing=False)
-    peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}]}] * 32)  # unused: the batch is given
-    trainer = GRPOTrainer(model=MODEL, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=rows, peft_config=peft)
+    G = cfg.group_size
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=cfg.batch_size, num_generations=G,
+                          max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, beta=0.0, num_iterations=1,
+                          learning_rate=cfg.lr, max_grad_norm=1.0, max_steps=1, report_to=[], seed=cfg.seed, use_cpu=True,
+                          bf16=bf16, gradient_checkpointing=False)
+        peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=cfg.lora_targets.split(","))
+        rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}]}] * cfg.batch_size)  # unused: the batch is given
+        trainer = GRPOTrainer(model=cfg.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                              train_dataset=rows, peft_config=peft)
     theirs = dict(trainer.model.named_parameters())
     mine = policy.params()
     with torch.no_grad():
         for k, p in mine.items():
             theirs[k.removeprefix("lm.")].copy_(p)
-    R = batch.seq_reward.view(-1, 4)  # TRL's advantage: (R - group mean) / (group std + 1e-4)
+    R = batch.seq_reward.view(-1, G)  # TRL's advantage: (R - group mean) / (group std + 1e-4)
     adv = ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + 1e-4)).view(-1)
     P = batch.obs.shape[1] - batch.mask.shape[1]
     inputs = {"prompt_ids": batch.obs[:, :P], "prompt_mask": batch.attn[:, :P].long(), "completion_ids": batch.actions,
@@ -74,10 +73,9 @@ def trl_gradient(policy, batch, bf16, seed):
 
 
 def distance(a, b):
-    """-> (|a - b| / |b|, cosine(a, b)) over all tensors together"""
-    dot, aa, bb, dd = (sum(f(a[k], b[k]) for k in b) for f in (
-        lambda x, y: (x * y).sum(), lambda x, y: (x * x).sum(), lambda x, y: (y * y).sum(), lambda x, y: ((x - y) ** 2).sum()))
-    return (dd / bb).sqrt().item(), (dot / (aa * bb).sqrt()).item()
+    """-> (|a - b| / |b|, cosine(a, b)), all tensors as one vector"""
+    x, y = (torch.cat([g[k].flatten() for k in b]).double() for g in (a, b))  # float64: a 4.9M-long dot product
+    return ((x - y).norm() / y.norm()).item(), (x @ y / (x.norm() * y.norm())).item()
 
 
 def main():
@@ -100,11 +98,13 @@ def main():
             varied = int((batch.seq_reward.view(-1, cfg.group_size).std(1) > 0).sum())
             if varied >= a.informative:
                 break
+        else:
+            raise SystemExit(f"seed {seed}: no batch in 100 steps had {a.informative} groups that vary; lower --informative")
         batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
-        f32, t32 = flatrl_gradient(policy, batch, cfg, task.max_len, False), trl_gradient(policy, batch, False, seed)
+        f32, t32 = flatrl_gradient(policy, batch, cfg, task.max_len, False), trl_gradient(policy, batch, cfg, False)
         cells = [f"{step}, {varied}, {int(batch.mask.sum())}", "%.1e, cosine %.6f" % distance(f32, t32)]
         if bf16:
-            f16, t16 = flatrl_gradient(policy, batch, cfg, task.max_len, True), trl_gradient(policy, batch, True, seed)
+            f16, t16 = flatrl_gradient(policy, batch, cfg, task.max_len, True), trl_gradient(policy, batch, cfg, True)
             cells += ["%.1e, cosine %.4f" % distance(f16, t16),
                       f"{distance(f16, f32)[0]:.1e}, {distance(t16, t32)[0]:.1e}"]
         print(f"| {seed} | " + " | ".join(cells) + " |", flush=True)

@@ -273,7 +273,7 @@ def test_a_script_starts_without_collections_then_freezes_what_it_built(tmp_path
 FAULTS = """import resource, sys, torch, utils
 if sys.argv[1] == "keep":
     utils.keep_freed_memory()
-for step in range(6):  # a step's big tensors, 4 x 64 MB (each over glibc's largest mmap threshold, 32 MB), freed together
+for step in range(6):  # a step's big tensors, 4 x 64 MB (each over glibc's mmap threshold, 32 MB at most), freed together
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     xs = [torch.ones(2**24) for _ in range(4)]
     del xs
@@ -282,7 +282,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)  # the last s
 
 
 def test_a_script_keeps_freed_memory_for_the_next_step():
-    """train.py as a script calls keep_freed_memory; a fresh process each way (the setting lasts the process)."""
+    """keep_freed_memory (train.py calls it as a script), a fresh process each way: the setting lasts the process."""
     faults = {how: int(subprocess.run([sys.executable, "-c", FAULTS, how], capture_output=True, text=True, check=True,
                                       cwd=os.path.dirname(os.path.dirname(__file__))).stdout) for how in ("default", "keep")}
     assert faults["default"] >= 2**28 // 2**21  # glibc's default: fresh pages every step (one per 2 MB page at least)
