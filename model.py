@@ -85,6 +85,15 @@ PLAIN_ATTENTION = 2**20
 RUN_COST = {"cpu": 128}
 
 
+def expanded(cache, rows):
+    """A KV cache's batch rows indexed out ([n] rows, repeats allowed) into a copy of their own: a forward appends to
+    the copy alone, and backward sums each copy's gradient into the cached keys and values."""
+    cache = copy.copy(cache)
+    cache.layers = [copy.copy(layer) for layer in cache.layers]
+    cache.batch_select_indices(rows)
+    return cache
+
+
 def runs(lengths, prompt, cost):
     """Rows (each `prompt` + lengths[i] positions) in runs of neighbours [(a, b)], each padded to its longest: the
     cheapest cover, counting every run's positions plus `cost`. Rows sorted by length (train.micro_batches) make it
@@ -330,21 +339,26 @@ class HFPolicy(nn.Module):
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def shared_prompts(self, batch):
-        """-> (first row of each distinct prompt [U], which one each row has [N]), or None where prompts are not shared
-        (group_size 1; gradient checkpointing drops the cache): decided by the config, so FSDP ranks agree."""
+        """-> (first row of each distinct prompt [U], which one each row has [N], c), or None where prompts are not shared
+        (group_size 1; gradient checkpointing drops the cache): decided by the config, so FSDP ranks agree. c: the
+        leading columns all U prompts share (a system line, the template's head), run once for all of them where that
+        saves more positions than a pass costs (RUN_COST); 0 under FSDP (data-dependent: ranks could run other passes)."""
         P = batch.obs.shape[1] - batch.mask.shape[1]
         if self.cfg.group_size < 2 or self.cfg.grad_ckpt or P < 2:
             return None
         _, inv = torch.unique(torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1), dim=0, return_inverse=True)
         first = torch.full((int(inv.max()) + 1,), len(inv)).scatter_reduce(0, inv, torch.arange(len(inv)), "amin")
-        return first, inv
+        ids, attn = batch.obs[first, :P - 1], batch.attn[first, :P - 1]
+        c = int(((ids == ids[:1]) & (attn > 0)).all(0).cumprod(0).sum().clamp(max=P - 2))  # >= 1 column left per prompt
+        return first, inv, 0 if self.cfg.fsdp or (len(first) - 1) * c <= RUN_COST.get(self.device.type, 128) else c
 
     def forward_logits(self, lm, batch, hidden=False):
         """Logits at the completions' real tokens [M, V] (padding never reaches the LM head), and the final hidden
         states at the T positions that predict the completion [N, T, H]. A shared prompt's first P - 1 tokens run
-        once, and each row's rest runs on its KV cache (indexed out over the rows): the same logits, and backward
-        sums every row's gradient through the prompt. The rows run in runs of neighbours (runs()), each cut to its
-        longest completion: a reply that hit max_new_tokens does not pad the short ones to its length."""
+        once (and a head all the prompts share, once for all), and each row's rest runs on its KV cache (indexed out
+        over the rows): the same logits, and backward sums every row's gradient through the prompt. The rows run in
+        runs of neighbours (runs()), each cut to its longest completion: a reply that hit max_new_tokens does not pad
+        the short ones to its length."""
         T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
         shared, prompt, tie, tokens = self.shared_prompts(batch), None, 0.0, batch.tokens
@@ -352,20 +366,24 @@ class HFPolicy(nn.Module):
         logits, states = [], []
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast), \
                 sdpa_kernel(SDPBackend.MATH) if plain else contextlib.nullcontext():
-            if shared is not None:
-                first, inv = shared
-                pre = lm(input_ids=batch.obs[first, :P - 1], attention_mask=batch.attn[first, :P - 1],
-                         position_ids=pos[first, :P - 1], use_cache=True, logits_to_keep=1)
+            if shared is not None:  # the prompts' common head once (c columns), then each prompt's rest on it
+                first, inv, c = shared
+                ids, attn, at = batch.obs[first, :P - 1], batch.attn[first, :P - 1], pos[first, :P - 1]
+                head = None
+                if c:  # the first prompt's c columns, their cache indexed out over the U prompts
+                    h = lm(input_ids=ids[:1, :c], attention_mask=attn[:1, :c], position_ids=at[:1, :c], use_cache=True,
+                           logits_to_keep=1)
+                    head = expanded(h.past_key_values, torch.zeros_like(first).to(self.device))
+                pre = lm(input_ids=ids[:, c:], attention_mask=attn, position_ids=at[:, c:], past_key_values=head,
+                         use_cache=True, logits_to_keep=1)
                 # tie: under FSDP, backward reaches the prompt pass's outputs too (its all-gather hooks sit there)
                 prompt, tie = pre.past_key_values, 0 * pre.logits.sum()
             lengths, unshared = tokens.sum(1).tolist(), 0 if prompt is not None else P - 1  # [N], positions per row
             one = self.cfg.fsdp or self.device.type not in RUN_COST  # FSDP: every rank runs the same passes
             for a, b in [(0, len(lengths))] if one else runs(lengths, unshared, RUN_COST[self.device.type]):
                 t, cache = max(max(lengths[a:b]), 1), None
-                if prompt is not None:  # rows a..b's prompts, in a cache of their own (a forward appends to it)
-                    cache = copy.copy(prompt)
-                    cache.layers = [copy.copy(layer) for layer in prompt.layers]
-                    cache.batch_select_indices(inv[a:b].to(self.device))
+                if prompt is not None:  # rows a..b's prompts
+                    cache = expanded(prompt, inv[a:b].to(self.device))
                 cols = slice(0 if cache is None else P - 1, P - 1 + t)  # the last token predicts nothing: not run
                 keep = tokens[a:b, :t]
                 with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][keep],)):  # [m, H]
@@ -405,8 +423,9 @@ class HFPolicy(nn.Module):
         S_sum, A = S.sum(), (S * (S + 1) / 2).sum()
         shared = self.shared_prompts(batch)
         if shared is not None:  # subtract the prompt of every row but the first of its prompt's rows
-            p = batch.attn[:, :P - 1].double().sum(1)  # [N] positions of the shared prompt
-            S_sum, A = S_sum - p.sum() + p[shared[0]].sum(), A - (p * (p + 1) / 2).sum() + (p * (p + 1) / 2)[shared[0]].sum()
+            (first, _, c), p = shared, batch.attn[:, :P - 1].double().sum(1)  # [N] positions of the shared prompt
+            S_sum, A = S_sum - p.sum() + p[first].sum(), A - (p * (p + 1) / 2).sum() + (p * (p + 1) / 2)[first].sum()
+            S_sum, A = S_sum - (len(first) - 1) * c, A - (len(first) - 1) * c * (c + 1) / 2  # and the common head
         forward = 2 * self.n_mat * S_sum + 4 * L * d_attn * A + 2 * d * V * C
         return float(2 * forward + 4 * L * d_attn * A + 2 * self.n_train * S_sum if train else forward)
 

@@ -267,7 +267,7 @@ def test_flops_count_the_real_tokens_and_match_torch_flop_counter(tiny_llm):
     assert policy.flops_done == policy.flops(one) + policy.flops(one, train=True)  # score() counts what it runs
 
 
-def test_a_shared_prompt_is_counted_once(tiny_llm):
+def test_a_shared_prompt_is_counted_once(tiny_llm, monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
     policy = HFPolicy(llm_cfg(tiny_llm, group_size=2))
     L, d_attn, d, V = policy.dims
@@ -281,6 +281,17 @@ def test_a_shared_prompt_is_counted_once(tiny_llm):
     assert policy.flops(batch) == ours
     policy.cfg = dataclasses.replace(policy.cfg, group_size=1)  # every row whole
     assert policy.flops(batch) == ours + 2 * policy.n_mat * 4 + 4 * L * d_attn * 10  # + the prompt's second run
+    import model  # two prompts that share a 3-token head, which runs once (a pass is free here)
+    monkeypatch.setattr(model, "RUN_COST", {"cpu": 0})
+    policy.cfg = dataclasses.replace(policy.cfg, group_size=2)
+    batch = policy.to_batch([[5, 6, 7, 8, 9]] * 2 + [[5, 6, 7, 4, 9]] * 2, [[10, 11, 12, 13]] * 4, n=2)
+    assert policy.shared_prompts(batch)[2] == 3
+    with FlopCounterMode(display=False) as fwd, torch.no_grad():
+        policy.score(batch)
+    # head 3 positions (3 x 3 pairs run), the prompts' rests 2 x 1 (on 4 keys), the rows 4 x 4 (on 8): 21 positions;
+    # 1 + 2 LM head rows beyond the 16 scored; causal pairs 4 x 36 - 2 x 10 (each prompt once) - 6 (the head once)
+    ours = fwd.get_total_flops() - 3 * 2 * d * V - 4 * L * d_attn * (9 + 8 + 128) + 4 * L * d_attn * 118
+    assert policy.flops(batch) == ours
 
 
 def scores_and_grads(policy, batch, cfg):
@@ -315,7 +326,9 @@ def test_rows_run_in_the_cheapest_runs_of_neighbours():
 @pytest.mark.parametrize("lora_r,algo", [(4, "grpo"), (0, "grpo"), (4, "ppo")])
 @pytest.mark.parametrize("micro", [0, 4])
 @pytest.mark.parametrize("run_cost", [128, 0])  # 0: a run for each length (forward_logits' runs), 128: one run
-def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora_r, algo, micro, run_cost, monkeypatch):
+@pytest.mark.parametrize("second", [[11, 12, 13], [5, 6, 7, 8, 11, 12]])  # left-padded; sharing a 4-token head
+def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora_r, algo, micro, run_cost, second,
+                                                                   monkeypatch):
     import model
     monkeypatch.setattr(model, "RUN_COST", {"cpu": run_cost})
     cfg = llm_cfg(tiny_llm, lora_r=lora_r, algo=algo, group_size=3, batch_size=6, kl_coef=0.1, micro_batch=micro)
@@ -323,13 +336,14 @@ def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora
     policy = HFPolicy(cfg)
     if policy.value_head is not None:  # not zero, or its gradient would not test the hidden states
         torch.nn.init.normal_(policy.value_head.weight)
-    # two groups of 3, prompts of 6 and 3 tokens (left padding); multi-turn tails with environment tokens (mask 0)
-    prompts = [[5, 6, 7, 8, 9, 10]] * 3 + [[11, 12, 13]] * 3
+    # two groups of 3, prompts of 6 and `second`; multi-turn tails with environment tokens (mask 0)
+    prompts = [[5, 6, 7, 8, 9, 10]] * 3 + [second] * 3
     tails = [[20, 21, 1, 30, 31, 22, 1], [23, 1], [24, 25, 26, 27, 28, 29, 1], [40, 41], [42, 1, 30, 43, 1], [44, 45, 46]]
     masks = [[1, 1, 1, 0, 0, 1, 1], [1, 1], [1] * 7, [1, 1], [1, 1, 0, 1, 1], [1, 1, 1]]
     batch = policy.to_batch(prompts, tails, masks=masks, n=3)
-    first, inv = policy.shared_prompts(batch)
+    first, inv, c = policy.shared_prompts(batch)
     assert len(first) == 2 and len(set(inv[:3].tolist())) == len(set(inv[3:].tolist())) == 1 and inv[0] != inv[3]
+    assert c == (4 if len(second) == 6 and not run_cost else 0)  # a head common to both runs once where it pays
     if micro:  # groups ordered by their longest completion, a group split over two pieces, rows by length in each
         assert [idx.tolist() for idx, _ in train.micro_batches(batch, micro)] == [[3, 5, 4, 0], [1, 2]]
     if not run_cost:  # every piece really is cut into several runs
