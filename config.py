@@ -76,7 +76,7 @@ class Config:
     vllm_lora: str = "merge"  # vllm: merge = each published adapter merged into the engine's weights (fast); adapter = vLLM's LoRA kernels
     vllm_compile: str = "auto"  # vllm: torch.compile the model (CUDA graphs too on a GPU); auto = on a GPU only (on a CPU: ~55 s of start-up for ~1.2x faster decoding)
     vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache
-    vllm_kv_gib: int = 2  # vllm on a CPU: GiB of KV cache (sets VLLM_CPU_KVCACHE_SPACE unless already set)
+    vllm_kv_gib: float = 2.0  # vllm on a CPU: GiB of KV cache; rows that do not fit wait their turn (slower)
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
     check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit (1 = over parity_tol)
     ask: str = ""  # with --resume RUN: print the trained policy's greedy reply to this prompt, then exit
@@ -148,6 +148,7 @@ class Config:
              f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
         need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"}, f"log_to {self.log_to!r}: use tensorboard, wandb or both")
         need(self.peak_tflops >= 0, "peak_tflops must be >= 0 (0 = measure the device once)")
+        need(self.vllm_kv_gib > 0, f"vllm_kv_gib {self.vllm_kv_gib}: vLLM needs a KV cache; 0.25 holds ~5.8k SmolLM2 tokens in fp32")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
         need(0 < self.turn_discount <= 1 and self.max_tool_calls >= 0, "turn_discount must be in (0, 1], max_tool_calls >= 0")

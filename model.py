@@ -209,7 +209,6 @@ class VLLMGenerator:
     reused); --vllm-lora adapter: each adapter saved to a new folder and loaded under a NEW LoRA id."""
 
     def __init__(self, cfg, stop_ids):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm_kv_gib))  # read by vLLM on a CPU only
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its info lines would bury the progress bar
         if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
@@ -223,14 +222,15 @@ class VLLMGenerator:
         self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
-        cpu = cfg.device == "cpu"  # eager there (compiling costs more than it saves), and KV blocks of 32 tokens, not 128:
-        # the prefix cache shares whole blocks only, so a 45-token prompt's first 32 run once per group, not per row
+        cpu = cfg.device == "cpu"  # eager there (compiling costs more than it saves), KV blocks of 32 tokens, not 128 (the
+        # prefix cache shares whole blocks only: a 45-token prompt's first 32 run once per group, not per row), and a KV
+        # cache of vllm_kv_gib, which vLLM zeroes as it starts (~2.6 s a GiB here; VLLM_CPU_KVCACHE_SPACE overrides it)
         if not gc.isenabled():  # train.py run as a script (see its top): vLLM's start-up still collects in full 5
             gc.freeze()  # times (~2.9 s over what exists now, which lives all run anyway): keep that out of them
         self.llm = LLM(model=local_copy(cfg.model), dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
                        gpu_memory_utilization=cfg.vllm_mem, logprobs_mode="processed_logprobs", generation_config="vllm",
                        enforce_eager=cfg.vllm_compile == "off" or cfg.vllm_compile == "auto" and cpu,
-                       **({"block_size": 32} if cpu else {}), **lora)
+                       **({"block_size": 32, "kv_cache_memory_bytes": int(cfg.vllm_kv_gib * 2**30)} if cpu else {}), **lora)
 
     def sync(self, policy):
         if self.cfg.vllm_lora == "merge":  # the worker's method reload_weights, on the engine in this process

@@ -137,7 +137,7 @@ def test_probe_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
 def vpolicy(request):
     import gc
     cfg = Config(task="arith", model=SMOL, generator="vllm", vllm_lora=request.param, lora_r=8, lora_alpha=16,
-                 gen_dtype="float32", bf16=False, max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0).validate()
+                 gen_dtype="float32", bf16=False, max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0, vllm_kv_gib=0.25).validate()
     torch.manual_seed(0)
     yield HFPolicy(cfg)
     gc.collect()  # one engine at a time: the next mode's starts after this one is gone
@@ -154,6 +154,8 @@ class TestVLLM:
         config = vpolicy.generator.llm.llm_engine.vllm_config  # --vllm-compile auto: ~55 s of start-up saved here
         assert vpolicy.cfg.vllm_compile == "auto" and config.model_config.enforce_eager
         assert config.cache_config.block_size == 32 and config.cache_config.enable_prefix_caching  # a group's prompt once
+        # --vllm-kv-gib 0.25, fp32 K and V of 30 layers x 3 heads x 64: 2^28 B / (32 x 30 x 2 x 3 x 64 x 4 B) = 182.04
+        assert config.cache_config.kv_cache_memory_bytes == 2**28 and config.cache_config.num_gpu_blocks == 182
 
     def test_parity_fails_on_a_temperature_mismatch(self, vpolicy):
         vpolicy.generator.cfg = dataclasses.replace(vpolicy.cfg, temperature=0.7)  # trainer stays at 1.0
