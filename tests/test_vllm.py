@@ -137,7 +137,8 @@ def test_probe_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
 def vpolicy(request):
     import gc
     cfg = Config(task="arith", model=SMOL, generator="vllm", vllm_lora=request.param, lora_r=8, lora_alpha=16,
-                 gen_dtype="float32", bf16=False, max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0, vllm_kv_gib=0.25).validate()
+                 gen_dtype="float32", bf16=False, max_new_tokens=16, vllm_max_len=256, n_eval=8, temperature=1.0,
+                 vllm_kv_gib=0.25).validate()
     torch.manual_seed(0)
     yield HFPolicy(cfg)
     gc.collect()  # one engine at a time: the next mode's starts after this one is gone
