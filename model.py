@@ -113,18 +113,19 @@ def runs(lengths, prompt, cost):
 
 @torch.no_grad()
 def merged_weights(policy):
-    """Checkpoint name -> the sampler's weight: W + scale * B A for each module LoRA adapts, plus the rest of its
-    fused group (reloading q_proj without k/v gave vLLM different logprobs, measured); full fine-tuning: all."""
+    """Checkpoint name -> the sampler's weight: W + scale * B A in gen_dtype for each module LoRA adapts, plus the rest
+    of its fused group (reloading q_proj without k/v gave vLLM different logprobs, measured); full fine-tuning: all."""
     if policy.cfg.lora_r == 0:
         return {k: full(v) for k, v in policy.lm.state_dict().items()}
 
     def adapted(m):
         return hasattr(m, "lora_A") and "default" in m.lora_A
 
-    def weight(m):  # [out, in], whole (gathered from every rank under FSDP)
+    def weight(m, dtype=getattr(torch, policy.cfg.gen_dtype)):  # [out, in], whole (gathered from every rank under FSDP)
         if not adapted(m):
-            return full(m.weight)
-        return full(m.base_layer.weight) + m.scaling["default"] * full(m.lora_B["default"].weight) @ full(m.lora_A["default"].weight)
+            return full(m.weight).to(dtype)
+        W, B, A = (full(w) for w in (m.base_layer.weight, m.lora_B["default"].weight, m.lora_A["default"].weight))
+        return torch.addmm(W, B, A, alpha=m.scaling["default"]).to(dtype)  # one fused op (0.08 s here, 0.14 in three)
 
     modules, out = dict(policy.lm.named_modules()), {}
     for name in [n for n, m in modules.items() if adapted(m)]:
@@ -299,6 +300,9 @@ class HFPolicy(nn.Module):
             lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                                target_modules=cfg.lora_targets.split(",")))
             lm.peft_config["default"].base_model_name_or_path = cfg.model  # the hub id, not this machine's cache path
+            for m in lm.modules():  # PEFT casts a bf16 input (o_proj's, down_proj's) up to its fp32 weights, and autocast
+                if hasattr(m, "cast_input_dtype_enabled"):  # back down: 2 copies each, ~6% of an update; the same bits
+                    m.cast_input_dtype_enabled = False
         elif cfg.kl_coef:
             self.ref = [copy.deepcopy(lm).requires_grad_(False)]  # in a list: not a submodule, never saved
         if cfg.grad_ckpt:

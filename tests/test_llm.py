@@ -140,6 +140,23 @@ def updated(policy, batch, cfg):
     return torch.cat([x.detach().flatten() for x in p.params().values()])
 
 
+def test_lora_input_left_to_autocast_changes_no_bit(tiny_llm):
+    """PEFT would cast a bf16 input up to its fp32 LoRA weights before autocast casts it back down: HFPolicy turns that
+    off. The update under autocast (forced on any CPU: emulated bf16 is fine for a tiny model) is the same to the bit."""
+    cfg = llm_cfg(tiny_llm, bf16=True)
+    policy = HFPolicy(cfg)
+    policy.autocast = True
+    _, batch = sampled(policy, cfg)
+    batch.adv = torch.randn(batch.mask.shape) * batch.mask
+    lora = [m for m in policy.lm.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert len(lora) == 7 * 2 and not any(m.cast_input_dtype_enabled for m in lora)  # 7 projections x 2 layers
+    ours = updated(policy, batch, cfg)
+    for m in lora:
+        m.cast_input_dtype_enabled = True  # PEFT's default
+    assert torch.equal(ours, updated(policy, batch, cfg)) and not torch.equal(ours, torch.cat([
+        x.detach().flatten() for x in policy.params().values()]))  # (and the update moved the weights)
+
+
 def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):
     cfg = llm_cfg(tiny_llm)
     policy = HFPolicy(cfg)
