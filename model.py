@@ -113,15 +113,16 @@ def runs(lengths, prompt, cost):
 
 @torch.no_grad()
 def merged_weights(policy):
-    """Checkpoint name -> the sampler's weight: W + scale * B A in gen_dtype for each module LoRA adapts, plus the rest
+    """Checkpoint name -> the sampler's weight in gen_dtype: W + scale * B A for each module LoRA adapts, plus the rest
     of its fused group (reloading q_proj without k/v gave vLLM different logprobs, measured); full fine-tuning: all."""
+    dtype = getattr(torch, policy.cfg.gen_dtype)
     if policy.cfg.lora_r == 0:
-        return {k: full(v) for k, v in policy.lm.state_dict().items()}
+        return {k: full(v).to(dtype) for k, v in policy.lm.state_dict().items()}
 
     def adapted(m):
         return hasattr(m, "lora_A") and "default" in m.lora_A
 
-    def weight(m, dtype=getattr(torch, policy.cfg.gen_dtype)):  # [out, in], whole (gathered from every rank under FSDP)
+    def weight(m):  # [out, in], whole (gathered from every rank under FSDP)
         if not adapted(m):
             return full(m.weight).to(dtype)
         W, B, A = (full(w) for w in (m.base_layer.weight, m.lora_B["default"].weight, m.lora_A["default"].weight))

@@ -22,7 +22,7 @@ from config import Config
 from model import HFPolicy, pack
 from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
                    numeric_match, overlong_penalty)
-from utils import Batch, fast_bf16
+from utils import Batch, fast_bf16, full
 
 FAST_BF16 = fast_bf16("cpu")  # FLATRL_FAST_BF16=0 / 1 forces it
 
@@ -134,10 +134,14 @@ def test_old_logp_from_the_update_equals_a_scoring_pass(tiny_llm, bf16):
     assert in_update.requires_grad and torch.equal(in_update.detach(), scored)
 
 
+def flat(policy):  # every parameter in one vector, gathered whole under FSDP
+    return torch.cat([full(p).detach().flatten() for p in policy.params().values()])
+
+
 def updated(policy, batch, cfg):
     p = copy.deepcopy(policy)
     train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, cfg.max_new_tokens)
-    return torch.cat([x.detach().flatten() for x in p.params().values()])
+    return flat(p)
 
 
 def test_lora_input_left_to_autocast_changes_no_bit(tiny_llm):
@@ -153,8 +157,7 @@ def test_lora_input_left_to_autocast_changes_no_bit(tiny_llm):
     ours = updated(policy, batch, cfg)
     for m in lora:
         m.cast_input_dtype_enabled = True  # PEFT's default
-    assert torch.equal(ours, updated(policy, batch, cfg)) and not torch.equal(ours, torch.cat([
-        x.detach().flatten() for x in policy.params().values()]))  # (and the update moved the weights)
+    assert torch.equal(ours, updated(policy, batch, cfg)) and not torch.equal(ours, flat(policy))  # (and it moved them)
 
 
 def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):

@@ -20,13 +20,9 @@ from algos import ADVANTAGES
 from config import Config
 from model import HFPolicy, MLPPolicy
 from tasks import GymTask
-from test_llm import leave_rank, llm_cfg, shared_batch
+from test_llm import flat, leave_rank, llm_cfg, shared_batch
 from test_serve import ROOT, finish, free_port, output, rows, spawn
-from utils import Adam, Batch, Logger, full
-
-
-def flat(policy):
-    return torch.cat([full(p).detach().flatten() for p in policy.params().values()])
+from utils import Adam, Batch, Logger
 
 
 def _fsdp_rank(r, port, cfg, batch_file, out_file):
