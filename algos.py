@@ -1,5 +1,6 @@
 """The math. Algorithms differ only in how rewards become a per-token advantage A [N, T]; all of them
-share one clipped policy loss and one value loss. Pure functions of tensors, no I/O.
+share one clipped policy loss and one value loss. Pure functions of tensors, no I/O. Read after tasks.play;
+then model.HFPolicy.score, which gives pg_loss its logp.
 """
 import torch
 
@@ -108,8 +109,8 @@ def needs_groups(advantage, cfg):
     itself, on two one-step samples with rewards 1 and 0, so an algorithm a user adds is covered too."""
     def signal(group):
         one = torch.ones(2, 1)
-        b = Batch(obs=one, actions=one.long(), mask=one, rewards=torch.tensor([[1.0], [0.0]]), group=torch.tensor(group),
-                  truncated=torch.zeros(2, dtype=torch.bool), values=torch.zeros(2, 1))
+        b = Batch(obs=one, actions=one.long(), mask=one, rewards=torch.tensor([[1.0], [0.0]]),
+                  group=torch.tensor(group), truncated=torch.zeros(2, dtype=torch.bool), values=torch.zeros(2, 1))
         A = advantage(b, cfg)[0]
         return bool(torch.isfinite(A).all() and A.abs().sum() > 0)
     return not signal([0, 1]) and signal([0, 0])

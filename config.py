@@ -1,7 +1,8 @@
 """One flat, typed run configuration: defaults here, a YAML preset over them, CLI flags over that.
 
 Every field is one line with a comment; the CLI (`--field-name`, booleans `--x/--no-x`) and its help
-are generated from this file, and validate() rejects bad combinations before anything runs.
+are generated from this file, and validate() rejects bad combinations before anything runs. Read the
+fields as the list of every knob; the reading path goes on in train.py.
 """
 import argparse
 import dataclasses
@@ -14,10 +15,11 @@ import yaml
 
 ONE_SHOT = ("check_parity", "ask")  # act once and exit: never written to a run's config.yaml
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-CHOICES = {"role": ("sync", "trainer", "rollout"), "credit": ("episode", "turn"), "gen_dtype": DTYPES, "generator": ("hf", "vllm"),
-           "vllm_lora": ("merge", "adapter"), "vllm_compile": ("auto", "on", "off"), "plot": ("auto", "on", "off"), "kl_estimator": ("k1", "k2", "k3"),
-           "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"), "wire_dtype": DTYPES,
-           "old_logp": ("trainer", "sampler")}  # fields with fixed names
+CHOICES = {  # fields with fixed names
+    "role": ("sync", "trainer", "rollout"), "credit": ("episode", "turn"), "generator": ("hf", "vllm"),
+    "vllm_lora": ("merge", "adapter"), "vllm_compile": ("auto", "on", "off"), "plot": ("auto", "on", "off"),
+    "kl_estimator": ("k1", "k2", "k3"), "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "gen_dtype": DTYPES, "wire_dtype": DTYPES, "old_logp": ("trainer", "sampler")}
 
 
 @dataclasses.dataclass
@@ -37,7 +39,7 @@ class Config:
     threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
     peak_tflops: float = 0.0  # the device's matmul peak, for gen_mfu / train_mfu (0 = measured once per dtype, cached)
     log_to: str = ""  # trackers next to metrics.csv, comma-separated: tensorboard, wandb
-    plot: str = "auto"  # curves.png when the run ends; auto = LLM runs (drawing it costs ~0.6 s, a fifth of a CartPole run)
+    plot: str = "auto"  # curves.png when the run ends; auto = LLM runs only (matplotlib is slow to import)
     # --- async (serve.py): a trainer and any number of rollout workers ---
     role: str = "sync"  # sync (one process), trainer (serves weights, trains on pushed batches) or rollout
     port: int = 8000  # trainer: port to listen on (0 = any free port)
@@ -54,34 +56,34 @@ class Config:
     eval_episodes: int = 10  # held-out episodes (fixed seeds) per control-task evaluation
     # --- LLM tasks ---
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # hub id or local folder of a causal LM
-    data: str = ""  # data task: a Hugging Face dataset id (openai/gsm8k) or a local .jsonl / .json / .parquet / .csv file
+    data: str = ""  # data task: a Hugging Face dataset id (openai/gsm8k) or a local .jsonl / .json / .parquet / .csv
     data_config: str = ""  # data task: the dataset's configuration, e.g. main for openai/gsm8k
     data_split: str = "train"  # data task: the split trained on; its last n_eval rows are held out unless eval_split
     eval_split: str = ""  # data task: a split of a hub dataset to hold out from instead (its first n_eval rows)
     question_field: str = "question"  # data task: the column holding the question
-    answer_field: str = "answer"  # data task: the column holding the answer (GSM8K's "... #### 42" understood)
-    data_prompt: str = "\nThink step by step, then put the final number in <answer></answer> tags."  # data task: after the question
+    answer_field: str = "answer"  # data task: the column holding the answer (GSM8K's "... #### 42" is understood)
+    data_prompt: str = "\nThink step by step, then put the final number in <answer></answer> tags."  # after a question
     digits: int = 1  # arith: digits per operand
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
     max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm
     max_turns: int = 1  # assistant replies per episode; > 1 = multi-turn: the task's env_response answers each
     turn_discount: float = 1.0  # multi-turn: a reward k replies later counts turn_discount^k (0 < d <= 1)
-    credit: str = "episode"  # multi-turn: episode = every reply carries the episode's return; turn = each reply its reward-to-go, baselines per reply
-    max_tool_calls: int = 2  # tool tasks: calls executed per episode, later ones answered with an error (0 = tools off)
+    credit: str = "episode"  # multi-turn: episode = every reply gets the episode's return; turn = its own reward-to-go
+    max_tool_calls: int = 2  # tool tasks: calls run per episode, later ones answered with an error (0 = tools off)
     max_episode_tokens: int = 0  # multi-turn: tokens after the prompt, replies and messages together (0 = no cap)
     temperature: float = 1.0  # sampling temperature; the trainer scores logits / temperature too
-    gen_batch: int = 64  # rows decoded together by the HF sampler (whole groups: at least one prompt's group_size rows)
+    gen_batch: int = 64  # rows decoded together by the HF sampler (whole groups: at least group_size)
     gen_dtype: str = "auto"  # the sampler's weights: auto = bfloat16 where the device has fast bf16, else float32
     generator: str = "hf"  # sampler: hf (flatrl's decode loop on the transformers model) or vllm
-    vllm_lora: str = "merge"  # vllm: merge = each published adapter merged into the engine's weights (fast); adapter = vLLM's LoRA kernels
-    vllm_compile: str = "auto"  # vllm: torch.compile the model (CUDA graphs too on a GPU); auto = on a GPU only (on a CPU: ~55 s of start-up for ~1.2x faster decoding)
+    vllm_lora: str = "merge"  # vllm: merge = each adapter merged into the engine's weights; adapter = vLLM's LoRA
+    vllm_compile: str = "auto"  # vllm: torch.compile the model (and CUDA graphs); auto = on a GPU only
     vllm_mem: float = 0.5  # vllm on a GPU: fraction of its memory for weights and KV cache
     vllm_kv_gib: float = 2.0  # vllm on a CPU: GiB of KV cache; rows that do not fit wait their turn (slower)
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
-    check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit (1 = over parity_tol)
+    check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit
     ask: str = ""  # with --resume RUN: print the trained policy's greedy reply to this prompt, then exit
-    parity_tol: float = 0.0  # largest mean |delta logp| --check-parity accepts (0 = from the dtypes: 1e-3 all fp32, 0.1 with bf16)
-    probe_tol: float = 0.25  # trainer warns when a worker's sync probe logprobs differ from its own by more (bf16 noise: ~0.1)
+    parity_tol: float = 0.0  # largest mean |delta logp| --check-parity accepts (0 = 1e-3 in fp32, 0.1 with bf16)
+    probe_tol: float = 0.25  # trainer warns when a worker's probe logprobs differ from its own by more
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
     eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
     overlong_buffer: int = 0  # penalise completions in the last N tokens before the cap, -1 at the cap (0 = off)
@@ -91,13 +93,14 @@ class Config:
     lora_alpha: int = 32  # LoRA scale alpha / r
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # modules LoRA adapts
     grad_ckpt: bool = False  # gradient checkpointing: less memory, one more forward per backward
-    fsdp: bool = False  # under torchrun, shard the LLM policy over the ranks with FSDP2 (weights, gradients, optimizer)
+    fsdp: bool = False  # under torchrun, shard the LLM policy over the ranks with FSDP2
     bf16: bool = True  # bf16 autocast for the trainer where the device has fast bf16 (weights stay fp32)
-    lr: float = 0.005  # Adam learning rate
+    lr: float = 0.005  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay (0 = off: plain Adam)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     # --- advantage ---
     gamma: float = 0.99  # discount for return-to-go and GAE
-    whiten_returns: bool = True  # reinforce: A = (G - mean) / std over the batch's real steps (false = A = G, the textbook)
+    whiten_returns: bool = True  # reinforce: A = (G - mean) / std over the batch's real steps (false = A = G)
     lam: float = 0.95  # GAE lambda (ppo)
     norm_std: bool = True  # grpo: divide by the group std; false = Dr.GRPO advantage R - mean
     adv_eps: float = 1e-6  # grpo: (R - mean) / (std + adv_eps), std unbiased (n - 1)
@@ -116,7 +119,7 @@ class Config:
     vf_coef: float = 0.5  # value loss coefficient (ppo)
     vclip: float = 0.2  # value clip around the OLD values (0 = off)
     tis_clip: float = 0.0  # truncated importance weight min(exp(old_logp - sampler_logp), C) (0 = off)
-    old_logp: str = "trainer"  # trainer: recomputed under the weights that sampled; sampler: teaching ablation only (README)
+    old_logp: str = "trainer"  # trainer: recomputed under the weights that sampled; sampler: a teaching ablation
 
     def validate(self, choices=()):
         """Reject bad values and combinations with a message that names the fix. `choices`: more fields with a
@@ -132,9 +135,9 @@ class Config:
         need(self.eps_high >= self.eps, f"eps_high {self.eps_high} < eps {self.eps}: set --eps-high >= --eps")
         need(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1 (3 is usual)")
         ranks = int(os.environ.get("WORLD_SIZE", 1))
-        need(self.batch_size // self.group_size % ranks == 0,
-             f"{self.batch_size // self.group_size} prompts per step do not split over {ranks} ranks: change --batch-size")
-        need(not self.fsdp or ranks > 1, "--fsdp shards the policy over ranks: run under torchrun --nproc-per-node 2 (or more)")
+        prompts = self.batch_size // self.group_size
+        need(prompts % ranks == 0, f"{prompts} prompts per step do not split over {ranks} ranks: change --batch-size")
+        need(not self.fsdp or ranks > 1, "--fsdp shards the policy over ranks: run under torchrun --nproc-per-node 2")
         need(self.batch_size % self.minibatches == 0,
              f"batch_size {self.batch_size} is not divisible by minibatches {self.minibatches}")
         need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
@@ -146,14 +149,19 @@ class Config:
              "--vllm-lora adapter serves LoRA adapters; full fine-tuning (lora_r 0) needs --vllm-lora merge")
         need(self.tis_clip == 0 or self.tis_clip >= 1,
              f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
-        need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"}, f"log_to {self.log_to!r}: use tensorboard, wandb or both")
+        need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"},
+             f"log_to {self.log_to!r}: use tensorboard, wandb or both")
         need(self.peak_tflops >= 0, "peak_tflops must be >= 0 (0 = measure the device once)")
-        need(self.vllm_kv_gib > 0, f"vllm_kv_gib {self.vllm_kv_gib}: vLLM needs a KV cache; 0.25 holds ~5.8k SmolLM2 tokens in fp32")
+        need(self.vllm_kv_gib > 0, f"vllm_kv_gib {self.vllm_kv_gib}: vLLM needs a KV cache (0.25 GiB holds ~5.8k "
+             "SmolLM2 tokens in fp32)")
         need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
         need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
-        need(0 < self.turn_discount <= 1 and self.max_tool_calls >= 0, "turn_discount must be in (0, 1], max_tool_calls >= 0")
-        need(self.credit == "episode" or self.algo != "grpo" or not self.norm_std, "--credit turn with grpo's std division "
-             "is biased (the std includes the episode itself, over episodes the policy chose to prolong): add --no-norm-std")
+        need(0 < self.turn_discount <= 1 and self.max_tool_calls >= 0,
+             "turn_discount must be in (0, 1], max_tool_calls >= 0")
+        need(self.credit == "episode" or self.algo != "grpo" or not self.norm_std,
+             "--credit turn with grpo's std division is biased (the std includes the episode itself, over episodes "
+             "the policy chose to prolong): add --no-norm-std")
+        need(self.weight_decay >= 0, "weight_decay must be >= 0 (0 = off)")
         return self
 
     @property
@@ -195,7 +203,8 @@ def _typed(key, value, typ, where):
 
 def load_yaml(path):
     if not os.path.isfile(path):
-        raise SystemExit(f"config error: no config file {path!r} (the presets are in configs/, e.g. configs/cartpole_ppo.yaml)")
+        raise SystemExit(f"config error: no config file {path!r} (the presets are in configs/, e.g. "
+                         "configs/cartpole_ppo.yaml)")
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
@@ -213,10 +222,11 @@ def load_yaml(path):
 
 def resumed(run_dir):
     """--resume RUN_DIR: the run's own config, or a one-line error when there is nothing to resume."""
+    if not os.path.isdir(run_dir):
+        raise SystemExit(f"config error: --resume {run_dir}: no such run directory")
     if not os.path.isfile(os.path.join(run_dir, "checkpoint.safetensors")):
-        raise SystemExit(f"config error: --resume {run_dir}: " + ("no checkpoint.safetensors there (a run saves one every "
-                         "--save-every steps and at the end); to start afresh use --out" if os.path.isdir(run_dir)
-                         else "no such run directory"))
+        raise SystemExit(f"config error: --resume {run_dir}: no checkpoint.safetensors there (a run saves one every "
+                         "--save-every steps and at the end); to start afresh use --out")
     return load_yaml(os.path.join(run_dir, "config.yaml"))
 
 
@@ -230,8 +240,11 @@ def parse(argv=None, choices=None):
     parser.add_argument("--config", help="YAML preset; flags given here override it")
     groups = {}  # --help lists the flags under config.py's section comments
     for f in dataclasses.fields(Config):
-        (help, section), flag = helps[f.name], "--" + f.name.replace("_", "-")
-        help += f" [{', '.join(names)}]" if (names := {**CHOICES, **choices}.get(f.name)) else ""
+        help, section = helps[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        names = {**CHOICES, **choices}.get(f.name)
+        if names:
+            help += f" [{', '.join(names)}]"
         group = groups.setdefault(section, parser.add_argument_group(section))
         if f.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)

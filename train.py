@@ -1,5 +1,6 @@
 """The training loop. Every step: evaluate when due, then 1 - rollout, 2 - advantage, 3 - update,
-4 - publish / log / save. Control tasks and language models run this same loop.
+4 - publish / log / save. Control tasks and language models run this same loop. Start reading at main();
+the reading path then goes tasks.play -> algos -> model.HFPolicy.score -> serve.
 
     python train.py --task cartpole --algo reinforce          # solves CartPole-v1 in seconds
     python train.py --config configs/cartpole_ppo.yaml        # a preset; flags override it
@@ -11,8 +12,8 @@ import gc
 import time
 
 T0 = time.time()  # "solved after T s" counts the imports too
-if __name__ == "__main__":  # start-up (imports, the model, vLLM's engine) makes millions of objects that live all
-    gc.disable()  # run: each full collection over them costs ~0.3 s. main turns collection back on after build
+if __name__ == "__main__":  # start-up makes millions of objects that live all run: no collection walks them until
+    gc.disable()  # main() has built the policy (utils.freeze_start_up)
 
 import math
 import os
@@ -27,37 +28,40 @@ from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, 
 from model import HFPolicy, MLPPolicy, check_parity
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Adam, Logger, Timer, all_reduce_sum, broadcast_bytes, fresh_dir, full, held_mb, keep_freed_memory,
-                   like, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
+from utils import (Logger, Timer, all_reduce_sum, broadcast_bytes, freeze_start_up, fresh_dir, full, held_mb,
+                   keep_freed_memory, like, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
 
 
 def build(cfg):
+    """The task and its policy, after the checks that need the algorithm's and the task's own answers."""
     if cfg.group_size < 2 and needs_groups(ADVANTAGES[cfg.algo], cfg):
         raise SystemExit(f"config error: {cfg.algo} compares samples of the same prompt, and a group of one has "
                          f"nothing to compare: set --group-size 2 or more")
     task = TASKS[cfg.task](cfg)
     if not task.llm and (cfg.kl_coef or cfg.fsdp or cfg.credit == "turn"):
-        raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for control tasks")
-    return task, HFPolicy(cfg) if task.llm else MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo == "ppo")
+        raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for "
+                         "control tasks")
+    return task, HFPolicy(cfg) if task.llm else MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, cfg.algo == "ppo")
 
 
 def micro_batches(batch, size):
-    """The rows in pieces of at most `size` (0 = one), groups kept whole (their prompt runs once, forward_logits) and
-    ordered by their longest completion, each piece trimmed of all-padding columns (a two-token answer is not padded
-    to the batch's longest) and its rows sorted by length (forward_logits runs neighbours together). Losses add up
-    over pieces: the same gradient. -> [(row indices, Batch)]"""
+    """The rows in pieces of at most `size` (0 = one piece), groups kept whole (their prompt runs once) and ordered
+    by their longest completion, each piece's rows sorted by length (model.runs) and trimmed of all-padding columns:
+    a two-token answer is not padded to the batch's longest. Losses add up over pieces, so the gradient does not
+    depend on `size`. -> [(row indices, Batch)]"""
     N = len(batch.mask)
-    if not N or batch.attn is None:
+    if N == 0 or batch.attn is None:
         return [(idx, batch.rows(idx)) for idx in torch.arange(N).split(size or N)] if N else []
     _, g = torch.unique(batch.group, return_inverse=True)  # [N] groups numbered 0..G-1
-    length = batch.tokens.sum(1)  # [N]
-    longest = torch.zeros(N).scatter_reduce(0, g, length.float(), "amax")[g]  # [N] of the row's group
-    pieces = [idx[length[idx].argsort(stable=True)] for idx in (longest * N + g).argsort(stable=True).split(size or N)]
+    length = batch.tokens.sum(1).float()  # [N]
+    longest = torch.zeros(N).scatter_reduce(0, g, length, "amax")[g]  # [N] of the row's group
+    order = (longest * N + g).argsort(stable=True)  # by the group's longest completion, a group's rows together
+    pieces = [idx[length[idx].argsort(stable=True)] for idx in order.split(size or N)]  # each piece's rows by length
     return [(idx, batch.rows(idx).trimmed()) for idx in pieces]
 
 
 def unsplit(pieces, outs, whole):
-    """Per-piece [n, t] outputs of micro_batches written into `whole` [N, T] (a new tensor), in the batch's row order."""
+    """Per-piece [n, t] outputs of micro_batches written into a copy of `whole` [N, T], in the batch's row order."""
     whole = whole.clone()
     for (idx, _), x in zip(pieces, outs):
         whole[idx, :x.shape[1]] = x.float().cpu()
@@ -69,15 +73,17 @@ GAP_ROWS = 4  # rows that train nothing, scored anyway so that logp_gap (batch_m
 
 def score_old(policy, batch, cfg):
     """No-grad pass under the weights that sampled the batch: old_logp, the old critic's values (ppo), ref_logp (KL).
-    With one update per batch and none of those it is skipped (the update's forward gives old_logp: ratio 1). A
+    With one update per batch and none of those it is skipped: the update's own forward gives old_logp (ratio 1). A
     batch sampled elsewhere (with sampler_logp) is always rescored: the sampler's numbers are not the trainer's
-    (--old-logp sampler: the ablation, README "Why the trainer recomputes old logprobs"). Rows the update skips
-    (can_skip_zero) are not scored but for GAP_ROWS (old_logp NaN); their advantages are computed here."""
+    (--old-logp sampler is the ablation). Rows the update skips (can_skip_zero) are not scored, but for GAP_ROWS
+    of them (their old_logp is NaN); their advantages are computed here to find them."""
     ablation = cfg.old_logp == "sampler"
-    if cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef and (batch.sampler_logp is None or ablation):
+    one_update = cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef
+    if one_update and (batch.sampler_logp is None or ablation):
         batch.old_logp = batch.sampler_logp if ablation else None
         return
-    skip, nan = torch.zeros(len(batch.mask), dtype=torch.bool), torch.zeros(batch.mask.shape)  # nan: 0 on padding
+    skip = torch.zeros(len(batch.mask), dtype=torch.bool)  # [N]
+    nan = torch.zeros(batch.mask.shape)  # [N, T] what an unscored row holds: NaN, 0 on padding
     if can_skip_zero(cfg) and not (cfg.kl_coef or cfg.fsdp):  # FSDP: every rank runs the same passes
         batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
         idle = (batch.adv == 0).all(1)  # [N]
@@ -89,10 +95,11 @@ def score_old(policy, batch, cfg):
         outs = [policy.score(mb, entropy=False) for _, mb in pieces]
         if cfg.kl_coef:
             batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], nan)  # [N, T]
-        if outs and outs[0]["value"] is not None and batch.final_obs is not None:  # time-limit cuts bootstrap (gae)
+        critic = outs and outs[0]["value"] is not None
+        if critic and batch.final_obs is not None:  # a time-limit cut bootstraps from V(final_obs) (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
     batch.old_logp = batch.sampler_logp if ablation else unsplit(pieces, [o["logp"] for o in outs], nan)
-    if outs and outs[0]["value"] is not None:
+    if critic:
         batch.values = unsplit(pieces, [o["value"] for o in outs], nan) * batch.mask  # [N, T]
     if cfg.kl_in_reward:  # per-token reward r_t - kl_coef * (logp - ref_logp); no KL term in the loss
         batch.rewards = batch.rewards - cfg.kl_coef * (batch.old_logp - batch.ref_logp) * batch.mask
@@ -110,30 +117,31 @@ def update(policy, opt, batch, cfg, max_len):
     """epochs x minibatches optimizer steps; micro-batch losses add up to the minibatch's (global denominators), so
     micro_batch never changes the gradient. Every rank takes the same passes and decisions: a non-finite loss on
     any rank skips the step on all (none leaves early: under FSDP the others would wait in backward for it)."""
-    sums, losses, skipped, norms = {}, [], 0, []
+    sums, losses, norms, skipped = {}, [], [], 0
     params = [p for p in policy.parameters() if p.requires_grad]
-    skip_zero = can_skip_zero(cfg)
     _, g = torch.unique(batch.group, return_inverse=True)  # minibatches shuffle whole groups
     for _ in range(cfg.epochs):
-        order = torch.randperm(int(g.max()) + 1)[g].argsort(stable=True) if cfg.minibatches > 1 else torch.arange(len(g))
+        order = torch.arange(len(g))
+        if cfg.minibatches > 1:
+            order = torch.randperm(int(g.max()) + 1)[g].argsort(stable=True)
         for rows in order.tensor_split(cfg.minibatches):  # exactly `minibatches` on every rank (chunk can give fewer)
             mb = batch.rows(rows)
             mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators
-            if skip_zero:
+            if can_skip_zero(cfg):
                 keep = (mb.adv != 0).any(1)  # [n]
                 if all_reduce_sum(keep.sum()) == 0:  # nothing to learn on any rank: no step anywhere
                     continue
-                mb = mb if cfg.fsdp else mb.rows(keep.nonzero()[:, 0])
+                if not cfg.fsdp:
+                    mb = mb.rows(keep.nonzero()[:, 0])
             total = 0.0
             for _, micro in micro_batches(mb, cfg.micro_batch):
                 out = policy.score(micro)
                 old = micro.old_logp if micro.old_logp is not None else out["logp"].detach()
                 micro = micro.to(out["logp"].device)
-                loss, stats = pg_loss(out["logp"], old, micro.adv, micro.mask, cfg, micro.weight,
-                                      out["entropy"], micro.ref_logp, micro.sampler_logp)
+                loss, stats = pg_loss(out["logp"], old, micro.adv, micro.mask, cfg, micro.weight, out["entropy"],
+                                      micro.ref_logp, micro.sampler_logp)
                 if out["value"] is not None:
-                    loss = loss + cfg.vf_coef * value_loss(out["value"], micro.values, micro.returns,
-                                                           micro.weight, cfg)
+                    loss = loss + cfg.vf_coef * value_loss(out["value"], micro.values, micro.returns, micro.weight, cfg)
                 total += loss.item()
                 loss.backward()  # even when not finite: the step is skipped below, on every rank alike
                 for k, v in stats.items():
@@ -153,16 +161,21 @@ def update(policy, opt, batch, cfg, max_len):
             opt.zero_grad()
     n = sums.pop("tokens", torch.tensor(1.0)).clamp(min=1)
     out = {k: (v if k.endswith("_max") else v / n).item() for k, v in sums.items()}
-    trained = {"loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms)} if losses else {}
-    return {**trained, "nonfinite": skipped, **out}  # no optimizer step: no loss, no grad_norm (a gap, not a 0)
+    if losses:  # a step that took no optimizer step logs no loss and no grad_norm: a gap, not a 0
+        out.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
+    return {"nonfinite": skipped, **out}
 
 
 def speed(policy, batch, split, llm, trained):
     """Tokens/s of scoring + update and, for an LLM, MFU (HFPolicy.flops / seconds / peak); neither without a step."""
-    seconds, flops, policy.flops_done = split["score_s"] + split["update_s"], getattr(policy, "flops_done", 0.0), 0.0
+    seconds, flops = split["score_s"] + split["update_s"], getattr(policy, "flops_done", 0.0)
+    policy.flops_done = 0.0
     if not trained:
         return {}
-    return {"train_tok_s": batch.mask.sum().item() / seconds, **({"train_mfu": flops / seconds / policy.peak["train"]} if llm else {})}
+    out = {"train_tok_s": batch.mask.sum().item() / seconds}
+    if llm:
+        out["train_mfu"] = flops / seconds / policy.peak["train"]
+    return out
 
 
 def batch_metrics(batch, cfg):
@@ -173,8 +186,9 @@ def batch_metrics(batch, cfg):
     if cfg.group_size > 1:  # groups that teach nothing under grpo / rloo: every sample got the same reward
         out["zero_var_groups"] = (group_stats(R, batch.group)[1] == 0).float().mean().item()
     if batch.sampler_logp is not None:  # async: how far the sampler's logprobs are from the trainer's
-        log_w, seen = (batch.old_logp - batch.sampler_logp).nan_to_num(), batch.mask * batch.old_logp.isfinite()  # [N, T]
-        out["logp_gap"] = masked_mean(log_w.abs(), seen).item()  # over the rows score_old scored
+        log_w = (batch.old_logp - batch.sampler_logp).nan_to_num()  # [N, T]
+        seen = batch.mask * batch.old_logp.isfinite()  # the tokens score_old scored
+        out["logp_gap"] = masked_mean(log_w.abs(), seen).item()
         if cfg.tis_clip:
             out["tis_weight"] = masked_mean(log_w.exp().clamp(max=cfg.tis_clip), seen).item()
             out["tis_clipped"] = masked_mean((log_w.exp() > cfg.tis_clip).float(), seen).item()
@@ -183,24 +197,33 @@ def batch_metrics(batch, cfg):
 
 def setup(cfg):
     """Run directory, data parallelism (torchrun sets WORLD_SIZE: gloo on CPU, nccl on GPU), seeds."""
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA GPU: "
-                         "use --device cpu, or install a CUDA build of torch")
+    cuda = cfg.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA "
+                         "GPU: use --device cpu, or install a CUDA build of torch")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
-        if cfg.device.startswith("cuda"):  # one GPU per rank; nccl collectives run on the current device
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:  # one GPU per rank; nccl collectives run on the current device
             cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
             torch.cuda.set_device(cfg.device)
     if not (cfg.out or cfg.resume):  # a folder of this run's own, even beside runs started in the same second
         name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task
-        worker = f"-worker-{WORKER}" if cfg.role == "rollout" else ""  # next to the trainer's: runs/NAME-TIME-worker-ID
+        worker = f"-worker-{WORKER}" if cfg.role == "rollout" else ""  # next to the trainer's folder
         base = f"runs/{name}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}{worker}"
         cfg.out = broadcast_bytes(fresh_dir(base).encode() if rank() == 0 else None).decode()  # one for all ranks
     cfg.out = cfg.resume or cfg.out
     os.makedirs(cfg.out, exist_ok=True)
     seed_all(cfg.seed)  # one seed for every rank until the policy is built: one initial model (main reseeds)
-    if cfg.threads:  # two processes each running the default thread count on one CPU slow each other ~10x
+    if cfg.threads:  # two processes each running the default thread count on one CPU slow each other down badly
         torch.set_num_threads(cfg.threads)
+
+
+def optimizer(policy, cfg):
+    """AdamW on the trainable weights; on a GPU its fused kernel, one launch for all of them (FSDP's shards take
+    torch's default path)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    fused = params[0].is_cuda and not cfg.fsdp
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
 def restore(ckpt_path, policy, opt, cfg):
@@ -212,11 +235,12 @@ def restore(ckpt_path, policy, opt, cfg):
         diff = sorted(set(theirs) ^ set(mine)) or [k for k in theirs if theirs[k] != tuple(mine[k].shape)]
         run = os.path.dirname(ckpt_path)
         was = config_lib.load_yaml(os.path.join(run, "config.yaml"))
-        changed = [f"{k} {was.get(k)!r} there, {getattr(cfg, k)!r} here" for k in ("task", "env", "model", "algo", "hidden",
-                   "lora_r", "lora_targets") if was.get(k, getattr(cfg, k)) != getattr(cfg, k)]
-        raise SystemExit(f"config error: --resume {run}: its checkpoint does not fit this policy ({len(diff)} tensors differ, "
-                         f"e.g. {diff[0]}; {', '.join(changed) or 'the same settings'}): drop the flags or --config that "
-                         f"change the model; {run}/config.yaml is unchanged")
+        keys = ("task", "env", "model", "algo", "hidden", "lora_r", "lora_targets")
+        changed = [f"{k} {was.get(k)!r} there, {getattr(cfg, k)!r} here" for k in keys
+                   if was.get(k, getattr(cfg, k)) != getattr(cfg, k)]
+        raise SystemExit(f"config error: --resume {run}: its checkpoint does not fit this policy ({len(diff)} tensors "
+                         f"differ, e.g. {diff[0]}; {', '.join(changed) or 'the same settings'}): drop the flags or "
+                         f"--config that change the model; {run}/config.yaml is unchanged")
     params, meta = load_checkpoint(ckpt_path, opt)
     with torch.no_grad():
         for k, p in mine.items():
@@ -228,18 +252,21 @@ def restore(ckpt_path, policy, opt, cfg):
 def results_line(cfg, log, llm):
     """The last thing a run prints: where its files are, its last evaluation, and how to try an LLM."""
     evals = ", ".join(f"{k[5:]} {v:.3g}" for k, v in log.last_eval.items())
-    return (f"results in {cfg.out}/: {', '.join(sorted(os.listdir(cfg.out)))} (last eval: {evals})"
-            + (f"; try it: python train.py --resume {cfg.out} --ask \"your prompt\"" if llm else ""))
+    line = f"results in {cfg.out}/: {', '.join(sorted(os.listdir(cfg.out)))} (last eval: {evals})"
+    if llm:
+        line += f"; try it: python train.py --resume {cfg.out} --ask \"your prompt\""
+    return line
 
 
 def main(argv=None):
     cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
     if cfg.ask and not (TASKS[cfg.task].llm and cfg.resume):
-        raise SystemExit("config error: --ask answers with a trained LLM run: python train.py --resume RUN_DIR --ask '...'")
+        raise SystemExit("config error: --ask answers with a trained LLM run: python train.py --resume RUN_DIR "
+                         "--ask '...'")
     setup(cfg)
     task, policy = build(cfg)
-    if not gc.isenabled():  # run as a script (see the top): start-up's objects are kept out of every later collection
-        gc.freeze(), gc.enable()
+    freeze_start_up()
+    gc.enable()
     if rank() > 0:  # from here on ranks sample differently; rank 0 goes on exactly as one process would
         seed_all(cfg.seed + rank())
     if cfg.check_parity:
@@ -247,20 +274,25 @@ def main(argv=None):
             raise SystemExit("config error: --check-parity compares LLM samplers; pick an LLM task")
         ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
         raise SystemExit(0 if ok else 1)
-    opt = Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
+    opt = optimizer(policy, cfg)
     ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
     start, t_offset = restore(ckpt_path, policy, opt, cfg) if cfg.resume else (0, 0.0)
     if cfg.ask:
-        return print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
+        print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
+        return None
     if rank() == 0:  # only now: a refused command (above) leaves the run folder as it was
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
         return run_worker(cfg, task, policy)
-    clock = lambda: time.time() - T0 + t_offset  # noqa: E731  seconds since the run began, resumes included
-    log = Logger(cfg.out, start, cfg.steps, cfg)
-    if task.llm:
-        log.say("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
-    source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
+    return run(cfg, task, policy, opt, start, t_offset)
+
+
+def run(cfg, task, policy, opt, start, t_offset):
+    """The loop, from step `start` to cfg.steps (or until solved), then the last checkpoint and the plot."""
+    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
+
+    def clock():  # seconds since the run began, resumes included
+        return time.time() - T0 + t_offset
 
     def save(step):  # every rank: FSDP shards are gathered; rank 0 writes
         params = save_checkpoint(ckpt_path, policy.params(), opt, {"step": step, "time_s": clock()})
@@ -268,6 +300,10 @@ def main(argv=None):
             policy.save_adapter(os.path.join(cfg.out, "adapter"), params)
         return step
 
+    log = Logger(cfg.out, start, cfg.steps, cfg)
+    if task.llm:
+        log.say("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
+    source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
     done, saved, interrupted = start, start if cfg.resume else None, False
     try:
         for step in range(start, cfg.steps + 1):
@@ -299,8 +335,9 @@ def main(argv=None):
             source.publish(step + 1)
             timer("publish_s")
             done = step + 1
-            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **timer.split,
-                     **speed(policy, batch, timer.split, task.llm, "loss" in stats), **source.stats()}, done)
+            speeds = speed(policy, batch, timer.split, task.llm, "loss" in stats)
+            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **timer.split, **speeds,
+                     **source.stats()}, done)
             if cfg.save_every and done % cfg.save_every == 0:
                 saved = save(done)
     except KeyboardInterrupt:
@@ -312,7 +349,7 @@ def main(argv=None):
     log.close(cfg.out, plot=cfg.plot == "on" or cfg.plot == "auto" and task.llm)
     log.say(results_line(cfg, log, task.llm))
     if interrupted:
-        raise SystemExit(130)  # checkpoint saved; 130 as a shell reports Ctrl-C, so a script tells it from a finished run
+        raise SystemExit(130)  # checkpoint saved; 130 as a shell reports Ctrl-C: a script tells it from a finished run
     return policy
 
 
@@ -321,13 +358,15 @@ if __name__ == "__main__":
     try:
         main()
         status = 0
-    except SystemExit as e:  # a config error's one line (status 1), or 130 after Ctrl-C
-        status = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (a rollout worker loses only its batch in flight):
-        status = print("stopped", file=sys.stderr) or 130  # 130 as a shell reports it, told apart from a finished run
-    # Skip the interpreter's teardown: a last collection over every object the run made (~0.8 s for
-    # CartPole), and C++ destructors that can abort a torchrun rank at exit ("terminate called without
-    # an active exception"), which leaves the other nodes' torchrun waiting minutes in its exit barrier.
-    # Files and trackers are closed by now (main); only the standard streams need a flush.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(status or 0)
+    except SystemExit as e:  # a config error's one line (exit 1), or 130 after Ctrl-C
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        status = 1 if isinstance(e.code, str) else e.code or 0
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (a rollout worker loses only its batch in flight)
+        print("stopped", file=sys.stderr)
+        status = 130
+    # No interpreter teardown: its C++ destructors can abort a torchrun rank at exit, which leaves the other nodes'
+    # torchrun waiting minutes in its exit barrier. Files and trackers are closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,10 +1,11 @@
-"""Shared pieces every file imports: the Batch type (the shape legend), masked reductions,
-discounted sums (returns, GAE), seeding, distributed helpers, Adam, checkpoints and the metrics logger.
+"""The leaf every file imports: the Batch type (the shape legend), masked reductions, discounted sums (returns, GAE),
+distributed helpers, checkpoints and the metrics logger. Read Batch first; then train.py's step.
 """
 import contextlib
 import csv
 import ctypes
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -15,7 +16,6 @@ import sys
 import time
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -71,15 +71,15 @@ class Batch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
     def trimmed(self):
-        """Without all-padding columns (LLM): positions count attended tokens, attention never looks right: same logps."""
+        """Without the columns that are padding in every row (LLM). Positions count attended tokens and attention
+        never looks right, so every logp stays the same."""
         if self.attn is None:
             return self
-        T = self.mask.shape[1]
-        real = self.attn.bool().any(0)  # [P + T]
-        P = len(real) - T
-        first, t = int(real.int().argmax()), max(int(real.nonzero().max()) + 1 - P, 1)  # first column, columns of T kept
+        used = self.attn.bool().any(0).nonzero()[:, 0]  # columns of [P + T] that some row attends
+        P = self.attn.shape[1] - self.mask.shape[1]
+        first, t = int(used[0]), max(int(used[-1]) + 1 - P, 1)  # the first prompt column, completion columns kept
         return dataclasses.replace(self, **{k: v[:, first:P + t] if k in ("obs", "attn") else v[:, :t]
-                                            for k, v in self.tensors().items() if v.dim() == 2 and v.shape[1] in (T, P + T)})
+                                            for k, v in self.tensors().items() if v.dim() == 2})
 
     @property
     def seq_reward(self):  # [N] total reward of each sample
@@ -90,7 +90,7 @@ class Batch:
         return self.attn[:, -self.mask.shape[1]:] > 0
 
 
-# --- masked reductions ------------------------------------------------------------------------
+# --- masked reductions, discounted sums ----------------------------------------------------------
 
 def masked_sum(x, mask, dim=None):
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)
@@ -139,16 +139,17 @@ def gae(rewards, values, mask, gamma, lam, last_value=None):
     return A, (A + values) * mask
 
 
-# --- seeding, distributed -----------------------------------------------------------------------
+# --- the machine ---------------------------------------------------------------------------------
 
 def fast_bf16(device):
-    """bf16 matmuls are fast on a CUDA GPU that has them and a CPU with AVX512-BF16 or AMX; elsewhere emulated (an
-    AVX2 CPU: 1.3 GFLOP/s against 175 in fp32). FLATRL_FAST_BF16=1 / 0 forces the answer (tests)."""
+    """bf16 matmuls are fast on a CUDA GPU that has them and on a CPU with AVX512-BF16 or AMX; elsewhere they are
+    emulated (an AVX2 CPU) and fp32 is the fast dtype. FLATRL_FAST_BF16=1 / 0 forces the answer (tests, CI)."""
     if os.environ.get("FLATRL_FAST_BF16") in ("0", "1"):
         return os.environ["FLATRL_FAST_BF16"] == "1"
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
+    cpu = torch.cpu  # (older torch builds lack these probes: no fast bf16 then)
+    return getattr(cpu, "_is_avx512_bf16_supported", bool)() or getattr(cpu, "_is_amx_tile_supported", bool)()
 
 
 class Timer:
@@ -159,7 +160,8 @@ class Timer:
 
     def __call__(self, name):
         now = time.time()
-        self.split[name], self.last = now - self.last, now
+        self.split[name] = now - self.last
+        self.last = now
 
 
 def peak_flops(device, dtype, cache=os.path.expanduser("~/.cache/flatrl/peak.json")):
@@ -193,15 +195,28 @@ def seed_all(seed):
     torch.manual_seed(seed)
 
 
-def keep_freed_memory():
-    """glibc hands every freed block over 32 MB back to the kernel (munmap), so each update's [tokens, vocab]
-    logits, log-softmax and their gradients (~1.3 GB for the CPU preset) come back as fresh pages: ~330k page
-    faults and 0.6-1.4 s of kernel time per update here. No mmap, no trimming: freed memory stays in the process
-    for the next step (resident memory stays at its peak). train.py calls it when run as a script; glibc only."""
-    with contextlib.suppress(OSError, AttributeError):  # another libc (macOS, musl): its default stays
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0), libc.mallopt(-1, -1)  # M_MMAP_MAX = 0 (no mmap); M_TRIM_THRESHOLD = -1 (never trim)
+def freeze_start_up():
+    """Start-up (imports, the model, vLLM's engine) makes millions of objects that live all run, and each full
+    collection walks them all, in every step too. train.py, run as a script, starts with collection off; this moves
+    what exists by now out of every later collection (gc.freeze; the vLLM sampler calls it before its engine starts,
+    which collects in full itself): over 5% of a CPU preset's step (benchmarks/README.md). Library callers keep
+    Python's own collection: it does nothing while collection is on."""
+    if not gc.isenabled():
+        gc.freeze()
 
+
+def keep_freed_memory():
+    """glibc hands every freed block over 32 MB back to the kernel, so each update's [tokens, vocab] logits,
+    log-softmax and their gradients come back as fresh pages, each faulted in again (benchmarks/README.md: a third
+    of an update). No mmap, no trimming: freed memory stays in the process for the next step, and
+    resident memory stays at its peak. train.py calls it when run as a script; other libcs keep their default."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: no mmap
+        libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD = -1: never trim
+
+
+# --- distributed ---------------------------------------------------------------------------------
 
 def dist_on():
     return dist.is_available() and dist.is_initialized()
@@ -232,7 +247,10 @@ def broadcast_bytes(data):
         return data
     n = wire(torch.tensor([len(data) if rank() == 0 else 0]))
     dist.broadcast(n, 0)
-    buf = wire(torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank() == 0 else torch.empty(int(n), dtype=torch.uint8))
+    if rank() == 0:
+        buf = wire(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    else:
+        buf = wire(torch.empty(int(n), dtype=torch.uint8))
     dist.broadcast(buf, 0)
     return bytes(buf.cpu().numpy())
 
@@ -244,7 +262,7 @@ def all_gather(t):  # -> [every rank's t]
 
 
 def sharded(t):
-    """Is t an FSDP shard (a DTensor)? Asked without importing torch.distributed.tensor (~0.4 s) in other runs."""
+    """Is t an FSDP shard (a DTensor)? Asked without importing torch.distributed.tensor in runs that never shard."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
 
@@ -264,11 +282,13 @@ def like(t, ref):
 
 def held_mb(module):
     """(trainable, frozen) MB of parameters this rank holds: its shards under FSDP, all of them otherwise."""
-    local = [(p.requires_grad, (p.to_local() if sharded(p) else p).nbytes) for p in module.parameters()]
-    return tuple(sum(n for grad, n in local if grad == t) / 2**20 for t in (True, False))
+    sizes = {True: 0, False: 0}
+    for p in module.parameters():
+        sizes[p.requires_grad] += (p.to_local() if sharded(p) else p).nbytes
+    return sizes[True] / 2**20, sizes[False] / 2**20
 
 
-# --- checkpoints: safetensors + JSON, no pickle -------------------------------------------------
+# --- files: safetensors + JSON, no pickle --------------------------------------------------------
 
 def tmp_name(path):
     """Where to write `path` before renaming it into place: this process's own name, so processes writing it at
@@ -283,43 +303,23 @@ def fresh_dir(base):
             os.makedirs(path)
             return path
 
-class Adam:
-    """Adam (Kingma & Ba 2015), step for step as torch.optim.Adam (tested), its state named as torch's (checkpoints
-    load either way). Written out because torch.optim's first call imports torch._dynamo: ~1.1 s of CartPole's 4."""
-
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8):
-        self.params, self.lr, self.betas, self.eps, self.state = list(params), lr, betas, eps, {}
-
-    @torch.no_grad()
-    def step(self):
-        (b1, b2), lr = self.betas, self.lr
-        for i, p in enumerate(self.params):
-            if p.grad is not None:  # m, v start at 0; t counts this parameter's steps
-                s = self.state.setdefault(i, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                              "exp_avg_sq": torch.zeros_like(p)})
-                t = s["step"].add_(1).item()
-                s["exp_avg"].lerp_(p.grad, 1 - b1)  # m <- b1 m + (1 - b1) g
-                s["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)  # v <- b2 v + (1 - b2) g^2
-                denom = (s["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(self.eps)  # p -= lr m^ / (sqrt(v^) + eps)
-                p.addcdiv_(s["exp_avg"], denom, value=-lr / (1 - b1**t))
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
 
 def rng_states():
     """This rank's random generators: the CPU's, and its GPU's when the run uses one (sampling runs there)."""
-    return {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {})}
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
 
 
 def save_checkpoint(path, params, opt, meta):
-    """Every rank calls it: FSDP shards gathered, each rank's RNG state kept ([world, S]); rank 0 writes a temporary
-    file that replaces the checkpoint once complete (a kill mid-save leaves the old one). -> the whole params"""
+    """Every rank calls it: FSDP shards are gathered, each rank's RNG state kept ([world, S]); rank 0 writes a
+    temporary file that replaces the checkpoint once complete (a kill mid-save leaves the old one). The optimizer's
+    state is torch's state_dict, flattened: opt.<param index>.<name>. -> the whole params"""
     params = {k: full(v).detach().contiguous().cpu() for k, v in params.items()}
     tensors = {f"model.{k}": v for k, v in params.items()}
-    for i, s in opt.state.items():  # Adam's moments, FSDP shards gathered
-        tensors.update({f"opt.{i}.{k}": full(v).cpu().contiguous() for k, v in s.items()})
+    for i, state in opt.state_dict()["state"].items():  # AdamW's step and moments
+        tensors.update({f"opt.{i}.{k}": full(v).cpu().contiguous() for k, v in state.items()})
     for name, rng in rng_states().items():  # [world, S] each
         tensors[f"rng.{name}"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
     if rank() == 0:
@@ -335,10 +335,12 @@ def load_checkpoint(path, opt):
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
     tensors = load_file(path)
+    params, state = opt.param_groups[0]["params"], {}
     for k, v in tensors.items():
         if k.startswith("opt."):
             _, i, name = k.split(".", 2)
-            opt.state.setdefault(int(i), {})[name] = like(v, opt.params[int(i)]) if v.dim() else v
+            state.setdefault(int(i), {})[name] = like(v, params[int(i)]) if v.dim() else v
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
     restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
     for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)
         rng = tensors.get(f"rng.{name}", torch.empty(0, 0)).flatten(0, -2)  # [world, S]
@@ -349,31 +351,31 @@ def load_checkpoint(path, opt):
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
 
 
-# --- logging ------------------------------------------------------------------------------------
+# --- logging ---------------------------------------------------------------------------------------
 
-# What curves.png shows, one panel each (the first key on the left axis, the rest on the right), with how to read
-# them in README: reward and the held-out metric; entropy; approx_kl / clipfrac; length / truncated; grad_norm;
-# for async runs, staleness / probe_gap; for LLM runs, gen_mfu / train_mfu.
+# curves.png, one panel per group that the run logged: the first key on the left axis (with every eval_ metric), the
+# rest on a right-hand axis. How to read each: README "Health metrics".
 PANELS = (("reward", "eval_"), ("entropy",), ("approx_kl", "clipfrac"), ("length", "truncated"), ("grad_norm",),
           ("staleness", "probe_gap"), ("gen_mfu", "train_mfu"))
 
 
 class Logger:
-    """One call per step: a progress line, a metrics.csv row, the --log-to trackers; curves.png at the end. Rank 0 only."""
+    """One call per step: a progress line, a metrics.csv row, the --log-to trackers; curves.png at the end. Rank 0
+    writes; the other ranks' calls do nothing."""
 
     def __init__(self, run_dir, start, steps, cfg=None):
         self.on = rank() == 0
-        self.path, self.rows = os.path.join(run_dir, "metrics.csv"), []
+        self.path, self.rows, self.fields, self.last_eval = os.path.join(run_dir, "metrics.csv"), [], None, {}
         self.bar = tqdm(total=steps, initial=start, dynamic_ncols=True, disable=not self.on)
-        self.fields, self.last_eval = None, {}
-        self.trackers = [tracker(name, run_dir, dataclasses.asdict(cfg)) for name in cfg.log_to.split(",") if name] \
-            if self.on and cfg else []
+        self.trackers = []
+        if self.on and cfg:
+            self.trackers = [tracker(name, run_dir, dataclasses.asdict(cfg)) for name in cfg.log_to.split(",") if name]
         if self.on and os.path.exists(self.path):  # resumed: keep the curve up to the checkpoint's step
             with open(self.path) as f:
                 reader = csv.DictReader(f)
-                self.rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
+                rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
                 self.fields = reader.fieldnames
-            self.rows = [r for r in self.rows if r["step"] < start]  # later rows are redone from the checkpoint
+            self.rows = [r for r in rows if r["step"] < start]  # later rows are redone from the checkpoint
             self.write()
 
     def write(self, rows=None):
@@ -407,54 +409,55 @@ class Logger:
         self.bar.update(done - self.bar.n)
 
     def close(self, run_dir, plot=True):
-        """With plot, curves.png: a panel per metric group of PANELS that the run logged, against step, wall time on top."""
         if not self.on:
             return
         self.bar.close()
         for _, close in self.trackers:
             close()
-        if not plot:
-            return
-        from matplotlib.figure import Figure  # imported here, and without pyplot: a CartPole run ends sooner
-        from matplotlib.ticker import MaxNLocator
-        wanted = lambda k, p: k == p or p.endswith("_") and k.startswith(p)  # noqa: E731  "eval_": every eval metric
-        panels = [p for p in ([k for p in group for k in self.fields or () if wanted(k, p)] for group in PANELS) if p]
-        if not panels:
-            return
-        steps, times = zip(*[(r["step"], r["time_s"]) for r in self.rows]) if self.rows else ((0,), (0,))
-        rows, cols = -(-len(panels) // 3), min(len(panels), 3)
-        fig = Figure(figsize=(4.2 * cols, 3.1 * rows))  # fixed margins: a layout engine would draw it twice
-        fig.subplots_adjust(left=0.7 / (4.2 * cols), right=1 - 0.8 / (4.2 * cols), bottom=0.5 / (3.1 * rows),
-                            top=1 - 0.6 / (3.1 * rows), wspace=0.6, hspace=0.6)
-        for n, keys in enumerate(panels, 1):
-            ax, lines, right = fig.add_subplot(rows, cols, n), [], None
-            if keys == ["approx_kl", "clipfrac"] and not any(r.get(k) for r in self.rows for k in keys):
-                ax.text(0.5, 0.5, "approx_kl, clipfrac: 0 by construction\nwith one update per batch (ratio = 1)",
-                        transform=ax.transAxes, ha="center", va="center", fontsize=8)
-                ax.set_xlim(steps[0], steps[-1])
-                keys = []
-            for i, key in enumerate(keys):  # a second kind of quantity gets the right-hand axis
-                on = ax if i == 0 or key.startswith("eval_") else right or ax.twinx()
-                right = on if on is not ax else right
-                pts = [(r["step"], r.get(key, np.nan)) for r in self.rows  # a step that trained nothing: a gap
-                       if key in r or not key.startswith("eval_") and "reward" in r]  # (eval rows come every few steps)
-                lines += on.plot(*zip(*pts), label=key, color=f"C{i}", linestyle="-" if on is ax else "--",  # the right
-                                 marker=("o" if on is ax else "s") if len(pts) < 30 else None, markersize=4,  # axis: dashed,
-                                 fillstyle="full" if on is ax else "none")  # hollow squares; neither hides the other
-            for on in (ax, right):
-                if on is not None:
-                    on.set_ylabel(" / ".join(line.get_label() for line in lines if line.axes is on))
-                    if on.dataLim.height == 0 and np.isfinite(v := on.dataLim.y0):  # one value: 0 to it, not +-4%
-                        on.set_ylim(min(0, 1.1 * v), max(0, 1.1 * v) or 1)
-            ax.set_xlabel("step")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-            if len(lines) > 1:
-                ax.legend(handles=lines, fontsize=7)
-            ticks = [s for s in ax.get_xticks() if steps[0] <= s <= steps[-1]]  # the step ticks, labelled on top
-            top = ax.secondary_xaxis("top")  # with the wall time the run had reached by then
-            top.set_xticks(ticks, [f"{np.interp(s, steps, times):.3g}" for s in ticks])
-            top.set_xlabel("wall time (s)")
-        fig.savefig(os.path.join(run_dir, "curves.png"), dpi=90)
+        if plot and self.rows:
+            draw_curves(self.rows, self.fields, os.path.join(run_dir, "curves.png"))
+
+
+def draw_curves(rows, fields, path):
+    """A panel per PANELS group the run logged, against step, with the wall time reached along the top. A second
+    quantity gets a right-hand axis, dashed with hollow squares (neither hides the other); a constant one is drawn
+    from 0 to its value. A step that logged nothing for a key (it trained nothing) is a gap."""
+    from matplotlib.figure import Figure  # here, and without pyplot: a CartPole run that draws nothing ends sooner
+
+    def wanted(key, name):  # "eval_" stands for every eval metric
+        return key == name or name.endswith("_") and key.startswith(name)
+    panels = [[k for name in group for k in fields if wanted(k, name)] for group in PANELS]
+    panels = [keys for keys in panels if keys]
+    steps, times = [r["step"] for r in rows], [r["time_s"] for r in rows]
+    n_rows, n_cols = math.ceil(len(panels) / 3), min(len(panels), 3)
+    width, height = 4.2 * n_cols, 3.1 * n_rows  # inches; fixed margins (a layout engine would draw it twice)
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=0.7 / width, right=1 - 0.8 / width, bottom=0.5 / height, top=1 - 0.6 / height,
+                        wspace=0.6, hspace=0.6)
+    for n, keys in enumerate(panels, 1):
+        ax = fig.add_subplot(n_rows, n_cols, n)
+        right = ax.twinx() if any(not k.startswith("eval_") for k in keys[1:]) else None
+        for i, key in enumerate(keys):
+            on = ax if i == 0 or key.startswith("eval_") else right
+            points = [(r["step"], r.get(key, math.nan)) for r in rows  # eval rows come every few steps
+                      if key in r or not key.startswith("eval_") and "reward" in r]
+            on.plot(*zip(*points), label=key, color=f"C{i}", linestyle="-" if on is ax else "--",
+                    marker=("o" if on is ax else "s") if len(points) < 30 else None, markersize=4,
+                    fillstyle="full" if on is ax else "none")
+        for axis in filter(None, (ax, right)):
+            axis.set_ylabel(" / ".join(line.get_label() for line in axis.get_lines()))
+            low = axis.dataLim.y0
+            if axis.dataLim.height == 0 and math.isfinite(low):  # one value: from 0 to it, not +-4% around it
+                axis.set_ylim(min(0, 1.1 * low), max(0, 1.1 * low) or 1)
+        ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if len(keys) > 1:
+            ax.legend(handles=[line for axis in filter(None, (ax, right)) for line in axis.get_lines()], fontsize=7)
+        ticks = [s for s in ax.get_xticks() if steps[0] <= s <= steps[-1]]
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(ticks, [f"{np.interp(s, steps, times):.3g}" for s in ticks])
+        top.set_xlabel("wall time (s)")
+    fig.savefig(path, dpi=90)
 
 
 def tracker(name, run_dir, config):
@@ -462,13 +465,16 @@ def tracker(name, run_dir, config):
     try:
         if name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            w = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            w.add_text("config", json.dumps(config, indent=1))
-            return (lambda row: [w.add_scalar(k, v, int(row["step"])) for k, v in row.items() if k != "step"]), w.close
+            writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            writer.add_text("config", json.dumps(config, indent=1))
+
+            def log(row):
+                for k, v in row.items():
+                    if k != "step":
+                        writer.add_scalar(k, v, int(row["step"]))
+            return log, writer.close
         import wandb  # WANDB_MODE=offline writes the run under run_dir/wandb without an account
         run = wandb.init(project="flatrl", name=os.path.basename(os.path.abspath(run_dir)), dir=run_dir, config=config)
         return (lambda row: run.log(row, step=int(row["step"]))), run.finish
     except ImportError:
         raise SystemExit(f"config error: --log-to {name} needs its package: pip install {name}")
-
-

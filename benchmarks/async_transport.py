@@ -74,7 +74,7 @@ def measure(name, model, repeats, step_s=None, wire="bfloat16"):
 def step_seconds(policy, task, cfg, n):
     """Median seconds of a sync training step (rollout + update) on the same setup."""
     import train
-    opt = utils.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-4)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=3e-4)
     times = []
     for step in range(n):
         t = time.perf_counter()

@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct + LoRA r=16 (alpha 32, q/k/v/o/gate/up/down), arith prompts "What is a + b?
 Reply with just the number." (the same 8 prompts per step for both, in order), reward 1 when the
 first number of the reply is a + b, 4 completions per prompt, at most 32 new tokens, temperature 1,
-no KL, one optimizer step per batch, Adam lr 3e-4 constant, token-mean loss (TRL's "dapo" default).
+no KL, one optimizer step per batch, AdamW (weight decay 0) lr 3e-4 constant, token-mean loss (TRL's "dapo" default).
 Both train under bf16 autocast where the CPU has fast bf16 (AVX512-BF16 or AMX; TRL's default is bf16
 everywhere, which an AVX2 CPU only emulates, so TRL is given flatrl's rule), fp32 elsewhere. TRL keeps its
 other defaults except gradient checkpointing, turned off so that it does not pay for memory it does
@@ -16,6 +16,7 @@ steps grow, so a median over the first steps flatters it. For flatrl, a per-step
     pip install trl && python .ci/cache_smollm2.py
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator vllm --against REV  # a change
+    HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator vllm --against REV --no-trl
 
 Time to accuracy: the whole command's seconds (from its first line, imports included) until greedy accuracy on
 the preset's 32 held-out prompts first reaches 0.8, both evaluated every 5 steps (TRL through a callback, on
@@ -222,6 +223,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator", nargs="+", default=["hf"], choices=["hf", "vllm"])
     p.add_argument("--trl-grad-ckpt", action="store_true")
+    p.add_argument("--no-trl", action="store_true", help="flatrl alone: with --against, two revisions side by side")
     p.add_argument("--against", metavar="REV", help="also run flatrl at git revision REV, in the same rounds")
     p.add_argument("--to-acc", type=float, help="instead: seconds until held-out accuracy first reaches this, per seed")
     p.add_argument("--eval-every", type=int, default=5, help="with --to-acc: evaluate every N steps, both alike")
@@ -237,7 +239,8 @@ def main():
     runs = {f"flatrl ({g})": lambda g=g: run_flatrl(a.steps, a.seed, g) for g in a.generator}
     if a.against:  # the same runs with revision REV's code (and preset), in the same rounds
         runs.update({f"flatrl ({g}) at {a.against}": lambda g=g: run_flatrl(a.steps, a.seed, g, then) for g in a.generator})
-    runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
+    if not a.no_trl:
+        runs["TRL GRPOTrainer"] = lambda: run_trl(a.steps, a.seed, a.trl_grad_ckpt)
     res = {k: [] for k in runs}
     for r in range(a.rounds):  # alternate: each contender once per round
         for k, run in runs.items():
@@ -246,10 +249,11 @@ def main():
     med = {k: statistics.median(s for run in v for s in run["step_s"]) for k, v in res.items()}
     last = {k: statistics.mean(x for run in v for x in run["reward"][-3:]) for k, v in res.items()}
     first = {k: statistics.mean(x for run in v for x in run["reward"][:3]) for k, v in res.items()}
-    print(f"\n| | s/step (median) | vs TRL | train reward, first 3 steps | train reward, last 3 of {a.steps} |")
+    base = next(iter(res)) if a.no_trl else "TRL GRPOTrainer"  # what the ratios are against
+    print(f"\n| | s/step (median) | vs {base} | train reward, first 3 steps | train reward, last 3 of {a.steps} |")
     print("|---|---|---|---|---|")
     for k in res:
-        print(f"| {k} | {med[k]:.2f} | {med[k] / med['TRL GRPOTrainer']:.2f}x | {first[k]:.3f} | {last[k]:.3f} |")
+        print(f"| {k} | {med[k]:.2f} | {med[k] / med[base]:.2f}x | {first[k]:.3f} | {last[k]:.3f} |")
     for k in res:  # per step, the mean over rounds
         print(f"{k} s/step by step:", [round(statistics.mean(s), 1) for s in zip(*(run["step_s"] for run in res[k]))])
         print(f"{k} reward by step:", [round(statistics.mean(s), 3) for s in zip(*(run["reward"] for run in res[k]))])

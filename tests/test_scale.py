@@ -22,7 +22,7 @@ from model import HFPolicy, MLPPolicy
 from tasks import GymTask
 from test_llm import flat, leave_rank, llm_cfg, shared_batch
 from test_serve import ROOT, finish, free_port, output, rows, spawn
-from utils import Adam, Batch, Logger
+from utils import Batch, Logger
 
 
 def _fsdp_rank(r, port, cfg, batch_file, out_file):
@@ -183,7 +183,7 @@ KILLED_MID_SAVE = """
 import os, sys, time, torch
 import utils
 path = sys.argv[1]
-opt = utils.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
 utils.save_checkpoint(path, {"w": torch.ones(3)}, opt, {"step": 1})
 def slow_save(tensors, file, metadata):  # writes part of the file, then hangs: killed mid-save
     with open(file, "wb") as f:
@@ -201,7 +201,7 @@ def test_a_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert proc.stdout.readline().strip() == "saving"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    opt = Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     from utils import load_checkpoint
     params, meta = load_checkpoint(path, opt)
     assert meta["step"] == 1 and torch.equal(params["w"], torch.ones(3))
@@ -336,8 +336,8 @@ def _layout_rank(r, port, cfg, batch_file, out_file):
 
 
 def two_updates(policy, batch, cfg):
-    """Adam: a step on the batch, then one on the same rows with every advantage 0. -> the whole weights"""
-    opt = Adam([p for p in policy.parameters() if p.requires_grad], lr=0.01)  # train.py's
+    """AdamW: a step on the batch, then one on the same rows with every advantage 0. -> the whole weights"""
+    opt = train.optimizer(policy, cfg)  # train.py's
     for scale in (1.0, 0.0):
         batch.adv = ADVANTAGES["grpo"](batch, cfg)[0] * scale
         train.update(policy, opt, batch, cfg, cfg.max_new_tokens)

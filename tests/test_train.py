@@ -136,7 +136,7 @@ def test_nonfinite_loss_skips_the_update():
     _, policy, b = rollout(cfg)
     b.adv = torch.full_like(b.mask, float("nan"))
     before = copy.deepcopy(policy.state_dict())
-    stats = train.update(policy, utils.Adam(policy.parameters(), lr=0.1), b, cfg, max_len=500)
+    stats = train.update(policy, torch.optim.AdamW(policy.parameters(), lr=0.1), b, cfg, max_len=500)
     assert stats["nonfinite"] == 1
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
@@ -180,35 +180,47 @@ def test_checkpoints_keep_the_gpu_rng_state_too(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved.clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
-    opt = utils.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     utils.save_checkpoint(str(tmp_path / "c.safetensors"), {"w": torch.ones(3)}, opt, {"step": 1})
     utils.load_checkpoint(str(tmp_path / "c.safetensors"), opt)
     assert len(restored) == 1 and torch.equal(restored[0], saved)
 
 
-def test_adam_steps_as_torch_adam_and_resumes_its_checkpoints(tmp_path):
+def test_adamw_is_adam_without_decay_and_resumes_checkpoints_from_before_it(tmp_path):
     torch.manual_seed(0)
-    ours = [torch.randn(5, 3, requires_grad=True), torch.randn(4, requires_grad=True)]
+    ours = torch.nn.ParameterList([torch.randn(5, 3), torch.randn(4)])
     theirs = [p.detach().clone().requires_grad_() for p in ours]
-    opts = utils.Adam(ours, lr=0.01), torch.optim.Adam(theirs, lr=0.01)
+    opt = train.optimizer(ours, Config(lr=0.01))  # train.py's: AdamW, weight_decay 0
+    adam = torch.optim.Adam(theirs, lr=0.01)  # what flatrl's own Adam stepped as (and was tested equal to)
     for step in range(6):
-        for ps, opt in zip((ours, theirs), opts):
+        for ps, o in ((ours, opt), (theirs, adam)):
             loss = (ps[0] ** 3).sum() + (ps[1].sin().sum() if step % 3 else 0)  # ps[1]: no gradient every third step
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            o.step()
+            o.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    assert [s["step"].item() for s in opts[0].state.values()] == [6, 4]
-    # A checkpoint from before flatrl had its own Adam: torch's state_dict, saved as save_checkpoint saved it then.
-    old = {f"opt.{i}.{k}": v for i, s in opts[1].state_dict()["state"].items() for k, v in s.items()}
+    # A checkpoint written before AdamW: the optimizer state as opt.<index>.<name>, torch's names, as saved then.
+    old = {f"opt.{i}.{k}": v for i, s in adam.state_dict()["state"].items() for k, v in s.items()}
     save_file({**old, "rng.torch": torch.get_rng_state()[None]}, tmp_path / "old.safetensors",
               metadata={"flatrl": json.dumps({"step": 6, "rng_python": random.getstate()})})
-    resumed = utils.Adam([p.detach().clone().requires_grad_() for p in theirs], lr=0.01)
-    utils.load_checkpoint(str(tmp_path / "old.safetensors"), resumed)
-    for opt in (resumed, opts[1]):  # one more step each, on the same gradient
-        next(iter(opt.params if opt is resumed else opt.param_groups[0]["params"])).grad = torch.ones(5, 3)
-        opt.step()
-    assert torch.equal(resumed.params[0], theirs[0])
+    resumed = torch.nn.ParameterList([p.detach().clone() for p in theirs])
+    opt = train.optimizer(resumed, Config(lr=0.01))
+    utils.load_checkpoint(str(tmp_path / "old.safetensors"), opt)
+    assert [s["step"].item() for s in opt.state_dict()["state"].values()] == [6, 4]
+    for ps, o in ((resumed, opt), (theirs, adam)):  # one more step each, on the same gradient
+        ps[0].grad = torch.ones(5, 3)
+        o.step()
+    assert torch.equal(resumed[0], theirs[0]) and torch.equal(resumed[1], theirs[1])
+
+
+def test_weight_decay_shrinks_the_weights_decoupled_from_the_gradient():
+    w = torch.nn.Parameter(torch.full((3,), 2.0))
+    opt = train.optimizer(torch.nn.ParameterList([w]), Config(lr=0.1, weight_decay=0.5))
+    w.grad = torch.zeros(3)  # no gradient: Adam's step is 0, only the decay moves w
+    opt.step()
+    assert torch.allclose(w.detach(), torch.full((3,), 2.0 * (1 - 0.1 * 0.5)))  # w <- w (1 - lr wd)
+    with pytest.raises(SystemExit, match="weight_decay must be >= 0"):
+        Config(weight_decay=-1.0).validate()
 
 
 def test_a_step_that_trains_nothing_leaves_blanks(tmp_path):
@@ -216,7 +228,7 @@ def test_a_step_that_trains_nothing_leaves_blanks(tmp_path):
     _, policy, b = rollout(cfg)
     b.adv = torch.zeros_like(b.mask)  # every group tied
     before = copy.deepcopy(policy.state_dict())
-    stats = train.update(policy, utils.Adam(policy.parameters(), lr=0.1), b, cfg, max_len=500)
+    stats = train.update(policy, torch.optim.AdamW(policy.parameters(), lr=0.1), b, cfg, max_len=500)
     assert "loss" not in stats and "grad_norm" not in stats and stats["nonfinite"] == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     log = Logger(str(tmp_path), 0, 2)
