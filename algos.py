@@ -19,7 +19,8 @@ def returns_to_go(b, cfg):
         return G
     L = b.mask.sum(1, keepdim=True)  # [N, 1]
     tail = b.truncated[:, None] * (b.seq_reward[:, None] / L.clamp(min=1)) / (1 - cfg.gamma)  # [N, 1]
-    return G + tail * cfg.gamma ** (L - torch.arange(G.shape[1])) * b.mask  # gamma^(steps from t to the cut)
+    to_cut = (L - torch.arange(G.shape[1])).clamp(min=0)  # [N, T] steps from t to the cut; 0 on padding, where
+    return G + tail * cfg.gamma ** to_cut * b.mask  # gamma^(L - t) would overflow to inf, and 0 * inf is NaN
 
 
 def reinforce(b, cfg):

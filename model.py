@@ -389,7 +389,8 @@ class HFPolicy(nn.Module):
             return None
         prompts = torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1)  # all but each prompt's last token
         _, inv = torch.unique(prompts, dim=0, return_inverse=True)
-        first = torch.full((int(inv.max()) + 1,), len(inv)).scatter_reduce(0, inv, torch.arange(len(inv)), "amin")
+        rows = torch.arange(len(inv), device=inv.device)  # (on the device when score() has moved the batch there)
+        first = torch.full((int(inv.max()) + 1,), len(inv), device=inv.device).scatter_reduce(0, inv, rows, "amin")
         return first, inv
 
     def forward_logits(self, lm, batch, hidden=False):

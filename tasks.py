@@ -445,8 +445,8 @@ class ToolTask(LLMTask):
         return {"tool_calls": sum(map(len, tool)) / len(chats), "tool_use": sum(map(bool, tool)) / len(chats),
                 "tool_errors": sum(m["content"].startswith("error:") for t in tool for m in t) / len(chats)}
 
-    def correct(self, prompt, completion, answer):  # an answer, not a call
-        return 0.0 if self.find_call(completion) else numeric_match(prompt, completion, answer)
+    def correct(self, prompt, completion, answer):  # an answer, not a call (an empty call is a malformed call)
+        return 0.0 if self.find_call(completion) is not None else numeric_match(prompt, completion, answer)
 
     def reward(self, prompt, completion, answer):
         return self.correct(prompt, completion, answer)

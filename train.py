@@ -28,7 +28,7 @@ from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, 
 from model import HFPolicy, MLPPolicy, check_parity
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Logger, Timer, all_reduce_sum, broadcast_bytes, freeze_start_up, fresh_dir, full, held_mb,
+from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, freeze_start_up, fresh_dir, full, held_mb,
                    keep_freed_memory, like, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
 
 
@@ -159,8 +159,8 @@ def update(policy, opt, batch, cfg, max_len):
             else:
                 skipped += 1
             opt.zero_grad()
-    n = sums.pop("tokens", torch.tensor(1.0)).clamp(min=1)
-    out = {k: (v if k.endswith("_max") else v / n).item() for k, v in sums.items()}
+    n = sums.pop("tokens", torch.tensor(1.0)).clamp(min=1)  # the rows trained on: rows with A = 0 may be skipped
+    out = {f"trained_{k}": (v if k.endswith("_max") else v / n).item() for k, v in sums.items()}
     if losses:  # a step that took no optimizer step logs no loss and no grad_norm: a gap, not a 0
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
     return {"nonfinite": skipped, **out}
@@ -196,13 +196,13 @@ def batch_metrics(batch, cfg):
 
 
 def setup(cfg):
-    """Run directory, data parallelism (torchrun sets WORLD_SIZE: gloo on CPU, nccl on GPU), seeds."""
+    """Run directory, data parallelism (under torchrun, one rank or many: utils.backend), seeds."""
     cuda = cfg.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA "
                          "GPU: use --device cpu, or install a CUDA build of torch")
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+    if "LOCAL_RANK" in os.environ and not dist.is_initialized():  # started by torchrun
+        dist.init_process_group(backend(cfg.device))
         if cuda:  # one GPU per rank; nccl collectives run on the current device
             cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
             torch.cuda.set_device(cfg.device)

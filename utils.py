@@ -237,28 +237,30 @@ def all_reduce_sum(t):
     return t
 
 
-def wire(t):  # collectives run where the backend wants them: nccl on the current GPU, gloo on the CPU
-    return t.cuda() if dist.get_backend() == "nccl" else t
+def backend(device):
+    """The process group's backends: gloo for CPU tensors (the sums, broadcasts and gathers of every step are CPU
+    tensors) and, on GPUs, NCCL for GPU ones (gradients, FSDP's shards). NCCL alone cannot reduce a CPU tensor."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def broadcast_bytes(data):
     """Rank 0's bytes on every rank: a length, then a uint8 tensor (no pickle). Other ranks pass None."""
     if not dist_on():
         return data
-    n = wire(torch.tensor([len(data) if rank() == 0 else 0]))
+    n = torch.tensor([len(data) if rank() == 0 else 0])
     dist.broadcast(n, 0)
     if rank() == 0:
-        buf = wire(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
-        buf = wire(torch.empty(int(n), dtype=torch.uint8))
+        buf = torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(buf, 0)
-    return bytes(buf.cpu().numpy())
+    return bytes(buf.numpy())
 
 
-def all_gather(t):  # -> [every rank's t]
-    out = [wire(torch.empty_like(t)) for _ in range(world())]
-    dist.all_gather(out, wire(t))
-    return [x.cpu() for x in out]
+def all_gather(t):  # a CPU tensor -> [every rank's t]
+    out = [torch.empty_like(t) for _ in range(world())]
+    dist.all_gather(out, t)
+    return out
 
 
 def sharded(t):
@@ -355,7 +357,8 @@ def load_checkpoint(path, opt):
 
 # curves.png, one panel per group that the run logged: the first key on the left axis (with every eval_ metric), the
 # rest on a right-hand axis. How to read each: README "Health metrics".
-PANELS = (("reward", "eval_"), ("entropy",), ("approx_kl", "clipfrac"), ("length", "truncated"), ("grad_norm",),
+PANELS = (("reward", "eval_"), ("trained_entropy",), ("trained_approx_kl", "trained_clipfrac"), ("length", "truncated"),
+          ("grad_norm",),
           ("staleness", "probe_gap"), ("gen_mfu", "train_mfu"))
 
 

@@ -37,8 +37,15 @@ import csv, sys
 r = [[x["reward"] for x in csv.DictReader(open(f"{sys.argv[1]}-{d}/metrics.csv")) if x.get("reward")] for d in ("whole", "half")]
 print("GPU resume, rewards of steps 0-3:", r[0], "resumed:", r[1], "same:", r[0] == r[1])
 PY
-# FSDP over every GPU of the machine (benchmarks/scale.py's GPU variant): parameters per rank, s/step.
+# Data parallel over every GPU of the machine (one rank on a single GPU: the distributed path all the same, NCCL for
+# GPU tensors and gloo for the CPU ones every step reduces), evaluations included.
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+torchrun --nproc-per-node "$GPUS" train.py "${COMMON[@]}" --steps 4 --eval-every 2 --out "$OUT-dp" >/dev/null
+python - "$OUT-dp" <<'PY'
+import csv, sys
+print("data parallel:", [(r["step"], r.get("eval_acc"), r.get("loss")) for r in csv.DictReader(open(f"{sys.argv[1]}/metrics.csv"))])
+PY
+# FSDP over every GPU of the machine (benchmarks/scale.py's GPU variant): parameters per rank, s/step.
 if [ "$GPUS" -ge 2 ]; then
   torchrun --nproc-per-node "$GPUS" train.py "${COMMON[@]}" --fsdp --steps 10 --eval-every 0 --out "$OUT-fsdp" \
     | grep "parameters on each"

@@ -40,7 +40,7 @@ def main():
 
 def report(res, steps):
     """res: mode -> {step: metrics.csv row}. A table per step, then one summary line per mode."""
-    cols = ("ratio", "ratio_max", "clipfrac", "reward", "eval_acc")
+    cols = ("trained_ratio", "trained_ratio_max", "trained_clipfrac", "reward", "eval_acc")
     print("| step | " + " | ".join(f"{c} ({m})" for c in cols for m in res) + " |")
     print("|---" * (1 + 2 * len(cols)) + "|")
     for step in range(steps + 1):
@@ -48,12 +48,13 @@ def report(res, steps):
         print(f"| {step} | " + " | ".join(f"{float(cell(m, c)):.3g}" if cell(m, c) != "-" else "-"
                                           for c in cols for m in res) + " |")
     for m, rows in res.items():  # a step whose groups all tied trained on nothing: it has no ratio
-        trained = [r for r in rows.values() if r.get("ratio")]
+        trained = [r for r in rows.values() if r.get("trained_ratio")]
         rewards = [float(r["reward"]) for r in rows.values() if r.get("reward")]
         evals = [float(r["eval_acc"]) for r in rows.values() if r.get("eval_acc")]
-        print(f"{m}: {len(trained)} steps trained, mean ratio {statistics.mean(float(r['ratio']) for r in trained):.4f}, "
-              f"max ratio {max(float(r['ratio_max']) for r in trained):.3f}, mean clipfrac "
-              f"{statistics.mean(float(r['clipfrac']) for r in trained):.4f}, final eval_acc {evals[-1]:.3f}, "
+        ratio = statistics.mean(float(r["trained_ratio"]) for r in trained)
+        print(f"{m}: {len(trained)} steps trained, mean ratio {ratio:.4f}, "
+              f"max ratio {max(float(r['trained_ratio_max']) for r in trained):.3f}, mean clipfrac "
+              f"{statistics.mean(float(r['trained_clipfrac']) for r in trained):.4f}, final eval_acc {evals[-1]:.3f}, "
               f"mean train reward over the last 10 steps {statistics.mean(rewards[-10:]):.3f}")
 
 

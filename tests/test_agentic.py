@@ -1,6 +1,9 @@
 """Agentic episodes: per-reply rewards, per-turn credit (unbiased, by Monte Carlo against the exact policy
 gradient of a toy), tools as environment replies, and the resource-limited Python runner."""
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -167,6 +170,7 @@ class Tools(Calc):
     ('<tool_call>{"name": "calculator", "arguments": {"expression": "347 * 28"}}</tool_call>', "calculator result: 9716"),
     ("calculator: 347 * 28", "calculator result: 9716"),  # the plain format, for templates without tools
     ("<tool_call>{name: calculator}</tool_call>", "error: write a call as <tool_call>"),
+    ("<tool_call></tool_call>", "error: write a call as <tool_call>"),  # empty: a malformed call
     ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "error: no tool 'search'; the tools are calculator, boom"),
     ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "error: bad arguments for calculator:"),
     ('<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>', "error: boom raised RuntimeError: kaput"),
@@ -189,6 +193,8 @@ def test_a_call_past_the_cap_is_refused_and_counted():
              [{"role": "assistant", "content": "5"}]]
     assert task.episode_stats(chats) == {"tool_calls": 1.0, "tool_use": 0.5, "tool_errors": 0.5}
     assert task.correct("q", "4", 4) == 1.0 and task.correct("q", "calculator: 4", 4) == 0.0  # a call is no answer
+    empty = "<tool_call></tool_call> 4"  # an empty call is a malformed call, for the budget and for correct alike
+    assert task.env_response("q", 4, [empty])["content"].startswith("error:") and task.correct("q", empty, 4) == 0.0
 
 
 class Noisy(Tools):
@@ -245,6 +251,22 @@ def test_the_runner_leaves_no_process_and_no_secrets(monkeypatch):
         time.sleep(0.05)
     assert not alive(int(out))
     assert run_python("import os; print(os.listdir('.'))") == "['main.py', 'out']\n"  # a fresh folder of its own
+
+
+TRAINER = """import sys
+from tasks import run_python
+print(run_python("import os; print(sorted(os.environ)); print(open(f'/proc/{os.getppid()}/environ').read())"))
+"""
+
+
+def test_what_model_written_code_can_see_of_the_trainers_secrets():
+    """As the README says: the code's own environment is empty, but the trainer's is readable through /proc by code
+    running as the same user, secrets included; run_python is no sandbox."""
+    env = {**os.environ, "FLATRL_TOKEN": "s3cret"}
+    out = subprocess.run([sys.executable, "-c", TRAINER], capture_output=True, text=True, env=env, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    own, parents = out.split("\n", 1)
+    assert "FLATRL_TOKEN" not in own and "FLATRL_TOKEN=s3cret" in parents  # (Python may set LC_CTYPE in its own)
 
 
 def test_the_monte_carlo_check_catches_a_biased_estimator():

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from algos import ADVANTAGES, loss_weights, pg_loss, value_loss
+from algos import ADVANTAGES, loss_weights, pg_loss, reinforce, reinforce_baseline, returns_to_go, value_loss
 from config import Config
 from utils import Batch, discounted_cumsum, gae, whiten
 
@@ -205,3 +205,19 @@ def test_value_loss_clips_around_old_values():
 def test_whiten_keeps_padding_zero():
     x, mask = torch.tensor([[1.0, 3.0, 50.0]]), torch.tensor([[1.0, 1.0, 0.0]])
     assert torch.allclose(whiten(x, mask), torch.tensor([[-1.0, 1.0, 0.0]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
+def test_returns_to_go_stay_finite_for_any_gamma_and_spread_of_lengths(gamma):
+    # Two time-limit cuts of very different lengths in one batch: gamma^(L - t) must not be taken past L (on padding
+    # it overflowed to inf for gamma < ~0.83, and 0 * inf is NaN: whitening then spread it to every row).
+    T, lengths = 500, [500, 20]
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).float()
+    b = Batch(obs=torch.zeros(2, T, 4), actions=torch.zeros(2, T, dtype=torch.long), mask=mask, rewards=mask.clone(),
+              group=torch.arange(2), truncated=torch.ones(2, dtype=torch.bool), final_obs=torch.zeros(2, 4))
+    cfg = Config(gamma=gamma)
+    G = returns_to_go(b, cfg)
+    assert torch.isfinite(G).all() and torch.isfinite(reinforce(b, cfg)[0]).all()
+    assert torch.isfinite(reinforce_baseline(b, cfg)[0]).all() and (G[1, 20:] == 0).all()
+    # an episode cut at L with reward 1 per step goes on at 1 a step: G_t = 1 / (1 - gamma) on every real step
+    assert torch.allclose(G[mask > 0], torch.full((520,), 1 / (1 - gamma)), rtol=1e-4)

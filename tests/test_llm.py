@@ -59,8 +59,8 @@ def test_two_step_train_per_algo(tiny_llm, tmp_path, digits_task, algo):
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1", "2"] and rows[0]["eval_acc"] != ""
-    for col in ("reward", "reward_std", "accuracy", "zero_var_groups", "truncated", "length", "entropy",
-                "ratio", "ratio_max", "clipfrac", "grad_norm", "gen_tok_s", "train_tok_s", "gen_s", "rollout_s",
+    for col in ("reward", "reward_std", "accuracy", "zero_var_groups", "truncated", "length", "trained_entropy",
+                "trained_ratio", "trained_ratio_max", "trained_clipfrac", "grad_norm", "gen_tok_s", "train_tok_s", "gen_s", "rollout_s",
                 "score_s", "update_s", "publish_s", "gen_mfu", "train_mfu"):
         assert rows[1][col] != "", col
     ckpt = load_file(tmp_path / "checkpoint.safetensors")

@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+import tasks
 import train
+import utils
 from algos import ADVANTAGES
 from config import Config
 from model import HFPolicy, MLPPolicy
@@ -382,3 +384,42 @@ def test_minibatches_are_counted_over_the_whole_batch(tmp_path):
     mp.spawn(_count_rank, args=(free_port(), cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")),
              nprocs=2)
     assert optimizer_steps(batch, cfg) == load_file(tmp_path / "out.safetensors")["steps"].item() == 2 * 4
+
+
+def _gpu_group_rank(r, port, backend, out_file):
+    """Every collective a step makes on CPU tensors (the update's row count and loss, the loss weights' sums,
+    whitening, the baseline, the solved fraction, broadcasts and gathers), in a group built from `backend`."""
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    try:
+        cfg = Config(algo="reinforce_baseline", batch_size=4)
+        torch.manual_seed(0)
+        policy = MLPPolicy(4, 2, 8)
+        batch = GymTask(cfg).rollout(policy, step=0)  # this rank's 2 episodes
+        batch.adv = ADVANTAGES["reinforce"](batch, cfg)[0]  # whitened over both ranks
+        ADVANTAGES["reinforce_baseline"](batch, cfg)
+        train.update(policy, train.optimizer(policy, cfg), batch, cfg, max_len=500)
+        task = tasks.Arith(Config(task="arith", n_eval=4))
+        task.solved_fraction(task.eval_set[:2], ["q", "q"], ["1", "2"], 1)
+        utils.broadcast_bytes(b"rank 0's" if r == 0 else None)
+        utils.all_gather(torch.ones(3))
+        result = "ok"
+    except RuntimeError as e:  # on every rank alike: no CPU backend, so nothing was sent
+        result = str(e)
+    if r == 0:
+        with open(out_file, "w") as f:
+            f.write(result)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_gpu_runs_process_group_carries_the_cpu_tensors_too(tmp_path):
+    """The group train.setup builds for --device cuda, with gloo standing in for NCCL (no GPU here), runs a step's CPU
+    collectives. Its stand-in from before the fix, NCCL alone ("nccl" serves cuda tensors only: "cuda:gloo"), fails on
+    the first of them, as every GPU data-parallel run did at its step-0 evaluation."""
+    gpu_run = utils.backend("cuda")
+    assert gpu_run == "cpu:gloo,cuda:nccl" and utils.backend("cpu") == "gloo"
+    for group, expect in ((gpu_run.replace("nccl", "gloo"), "ok"),
+                          ("cuda:gloo", "No backend type associated with device type cpu")):
+        out = tmp_path / "result.txt"
+        mp.spawn(_gpu_group_rank, args=(free_port(), group, str(out)), nprocs=2)
+        assert expect in out.read_text()

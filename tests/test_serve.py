@@ -107,7 +107,7 @@ def test_trainer_and_two_workers_end_to_end(tmp_path):
     for r in trained:
         assert 0 <= float(r["staleness"]) <= 1 and float(r["logp_gap"]) < 1e-5  # same MLP math on both sides
         if float(r["staleness"]) == 0:  # sampled by the current weights: on-policy
-            assert float(r["ratio"]) == pytest.approx(1.0, abs=1e-5)
+            assert float(r["trained_ratio"]) == pytest.approx(1.0, abs=1e-5)
 
 
 

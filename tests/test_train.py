@@ -94,8 +94,9 @@ def test_ratio_is_one_on_the_first_epoch():
     b.adv, b.returns = ADVANTAGES["ppo"](b, cfg)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # no movement: every pass sees the old policy
     stats = train.update(policy, opt, b, cfg, max_len=500)
-    assert stats["ratio"] == pytest.approx(1.0, abs=1e-6) and stats["ratio_max"] == pytest.approx(1.0, abs=1e-6)
-    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-7) and stats["clipfrac"] == 0
+    assert stats["trained_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["trained_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["trained_approx_kl"] == pytest.approx(0.0, abs=1e-7) and stats["trained_clipfrac"] == 0
 
 
 @pytest.mark.parametrize("algo,agg", [("reinforce", "token_mean"), ("grpo", "seq_mean_token_mean"),
@@ -223,6 +224,22 @@ def test_weight_decay_shrinks_the_weights_decoupled_from_the_gradient():
         Config(weight_decay=-1.0).validate()
 
 
+def test_the_updates_token_metrics_cover_the_rows_it_trained_on():
+    """Rows with A = 0 on every token are skipped (nothing else in the loss): the update's entropy, ratio, clipfrac
+    and approx_kl are over the other rows' tokens, and named so (trained_*); README "Health metrics"."""
+    cfg = Config(algo="grpo", group_size=2, batch_size=4)
+    _, policy, b = rollout(cfg)
+    b.adv = torch.zeros_like(b.mask)
+    b.adv[:2] = b.mask[:2]  # the first group trains, the second tied
+    with torch.no_grad():
+        out = policy.score(b.rows(torch.arange(2)))
+    trained = (out["entropy"] * b.mask[:2]).sum() / b.mask[:2].sum()
+    stats = train.update(policy, torch.optim.SGD(policy.parameters(), lr=0.0), b, cfg, max_len=500)
+    assert "entropy" not in stats and stats["trained_entropy"] == pytest.approx(trained.item(), rel=1e-5)
+    everyone = (policy.score(b)["entropy"] * b.mask).sum() / b.mask.sum()
+    assert abs(everyone.item() - trained.item()) > 1e-4  # the rows skipped would have moved it
+
+
 def test_a_step_that_trains_nothing_leaves_blanks(tmp_path):
     cfg = Config(algo="grpo", group_size=2)
     _, policy, b = rollout(cfg)
@@ -264,7 +281,8 @@ def test_two_step_smoke_per_algo(tmp_path, algo):
     train.main(["--config", f"configs/cartpole_{algo}.yaml", "--steps", "2", "--out", str(tmp_path)])
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    cols = {"step", "time_s", "reward", "loss", "entropy", "approx_kl", "ratio", "clipfrac", "grad_norm", "eval_return"}
+    cols = {"step", "time_s", "reward", "loss", "trained_entropy", "trained_approx_kl", "trained_ratio", "trained_clipfrac",
+            "grad_norm", "eval_return"}
     assert cols <= set(rows[0]) and [r["step"] for r in rows] == ["0", "1", "2"]
     assert rows[0]["eval_return"] != "" and rows[1]["eval_return"] == ""  # eval at step 0, eval_every 5
     assert not (tmp_path / "curves.png").exists() and (tmp_path / "config.yaml").exists()  # --plot auto: LLM runs only

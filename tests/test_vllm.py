@@ -89,7 +89,7 @@ def test_old_logp_ablation_trains_against_the_samplers_numbers(tiny_llm):
             assert batch.old_logp is batch.sampler_logp
             batch.adv = torch.ones_like(batch.mask) * batch.mask
             stats = train.update(policy, torch.optim.SGD(list(policy.params().values()), lr=0.0), batch, cfg, 8)
-            assert stats["ratio_max"] > 1.0 and stats["ratio"] != pytest.approx(1.0, abs=1e-6)
+            assert stats["trained_ratio_max"] > 1.0 and stats["trained_ratio"] != pytest.approx(1.0, abs=1e-6)
 
 
 def test_check_parity_cli_exit_code(tiny_llm):
