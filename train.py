@@ -95,7 +95,7 @@ def score_old(policy, batch, cfg):
         outs = [policy.score(mb, entropy=False) for _, mb in pieces]
         if cfg.kl_coef:
             batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], nan)  # [N, T]
-        critic = outs and outs[0]["value"] is not None
+        critic = bool(outs) and outs[0]["value"] is not None
         if critic and batch.final_obs is not None:  # a time-limit cut bootstraps from V(final_obs) (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
     batch.old_logp = batch.sampler_logp if ablation else unsplit(pieces, [o["logp"] for o in outs], nan)
