@@ -20,6 +20,20 @@ CHOICES = {  # fields with fixed names
     "vllm_lora": ("merge", "adapter"), "vllm_compile": ("auto", "on", "off"), "plot": ("auto", "on", "off"),
     "kl_estimator": ("k1", "k2", "k3"), "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "gen_dtype": DTYPES, "wire_dtype": DTYPES, "old_logp": ("trainer", "sampler")}
+# Numeric fields' valid ranges (low, high), ends included but POSITIVE's low end; None: no upper end.
+POSITIVE = ("lr", "temperature", "turn_discount", "vllm_kv_gib", "body_limit_mb")
+RANGES = {
+    "steps": (1, None), "epochs": (1, None), "minibatches": (1, None), "batch_size": (1, None), "group_size": (1, None),
+    "eval_episodes": (1, None), "n_eval": (1, None), "digits": (1, None), "max_new_tokens": (1, None),
+    "max_turns": (1, None), "gen_batch": (1, None), "vllm_max_len": (1, None), "hidden": (1, None),
+    "lora_alpha": (1, None), "max_queue": (1, None), "micro_batch": (0, None), "eval_every": (0, None),
+    "save_every": (0, None), "threads": (0, None), "max_staleness": (0, None), "max_tool_calls": (0, None),
+    "max_episode_tokens": (0, None), "eval_k": (0, None), "overlong_buffer": (0, None), "lora_r": (0, None),
+    "weight_decay": (0, None), "max_grad_norm": (0, None), "kl_coef": (0, None), "vf_coef": (0, None),
+    "vclip": (0, None), "adv_eps": (0, None), "peak_tflops": (0, None), "parity_tol": (0, None),
+    "probe_tol": (0, None), "connect_timeout": (0, None), "port": (0, 65535), "gamma": (0, 1), "lam": (0, 1),
+    "eps": (0, 1), "vllm_mem": (0, 1), "lr": (0, None), "temperature": (0, None), "turn_discount": (0, 1),
+    "vllm_kv_gib": (0, None), "body_limit_mb": (0, None)}
 
 
 @dataclasses.dataclass
@@ -130,6 +144,12 @@ class Config:
         for key, names in {**CHOICES, **dict(choices)}.items():
             if (value := getattr(self, key)) not in names:  # (the did-you-mean search only then: it reads the source)
                 need(False, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
+        for key, (low, high) in RANGES.items():
+            value = getattr(self, key)
+            if value < low or value == low and key in POSITIVE or high is not None and value > high:
+                span = (">" if key in POSITIVE else ">=") + f" {low}" + ("" if high is None else f" and <= {high}")
+                need(False, f"{key} must be {span}, not {value} ({_field_help()[key][0]})")  # help: reads the source
+        need(self.ops and set(self.ops) <= set("+-*"), f"ops {self.ops!r}: arith draws from + - and *, e.g. --ops +-*")
         need(self.batch_size % self.group_size == 0,
              f"batch_size {self.batch_size} is not a multiple of group_size {self.group_size}")
         need(self.eps_high >= self.eps, f"eps_high {self.eps_high} < eps {self.eps}: set --eps-high >= --eps")
@@ -140,28 +160,17 @@ class Config:
         need(not self.fsdp or ranks > 1, "--fsdp shards the policy over ranks: run under torchrun --nproc-per-node 2")
         need(self.batch_size % self.minibatches == 0,
              f"batch_size {self.batch_size} is not divisible by minibatches {self.minibatches}")
-        need(min(self.steps, self.epochs, self.minibatches, self.batch_size) >= 1 and self.micro_batch >= 0,
-             "steps, epochs, minibatches and batch_size must be >= 1, micro_batch >= 0")
         need(not self.kl_in_reward or self.algo == "ppo", "kl_in_reward needs per-token credit: use --algo ppo")
         need(self.role != "rollout" or self.trainer_url, "a rollout worker needs --trainer-url http://HOST:PORT")
-        need(self.max_staleness >= 0 and self.max_queue >= 1, "max_staleness must be >= 0 and max_queue >= 1")
         need(self.generator == "hf" or self.vllm_lora == "merge" or self.lora_r > 0,
              "--vllm-lora adapter serves LoRA adapters; full fine-tuning (lora_r 0) needs --vllm-lora merge")
         need(self.tis_clip == 0 or self.tis_clip >= 1,
              f"tis_clip {self.tis_clip} < 1 would down-weight every token: use 0 (off) or a cap >= 1 (2 is usual)")
         need(set(self.log_to.split(",")) <= {"", "tensorboard", "wandb"},
              f"log_to {self.log_to!r}: use tensorboard, wandb or both")
-        need(self.peak_tflops >= 0, "peak_tflops must be >= 0 (0 = measure the device once)")
-        need(self.vllm_kv_gib > 0, f"vllm_kv_gib {self.vllm_kv_gib}: vLLM needs a KV cache (0.25 GiB holds ~5.8k "
-             "SmolLM2 tokens in fp32)")
-        need(self.temperature > 0, "temperature must be > 0 (greedy decoding is only for evaluation)")
-        need(self.max_turns >= 1 and self.max_episode_tokens >= 0, "max_turns must be >= 1, max_episode_tokens >= 0")
-        need(0 < self.turn_discount <= 1 and self.max_tool_calls >= 0,
-             "turn_discount must be in (0, 1], max_tool_calls >= 0")
         need(self.credit == "episode" or self.algo != "grpo" or not self.norm_std,
              "--credit turn with grpo's std division is biased (the std includes the episode itself, over episodes "
              "the policy chose to prolong): add --no-norm-std")
-        need(self.weight_decay >= 0, "weight_decay must be >= 0 (0 = off)")
         return self
 
     @property

@@ -36,11 +36,35 @@ def test_config_round_trips_through_the_run_dir(tmp_path):
     (["--generator", "vllm", "--vllm-lora", "adapter", "--lora-r", "0"], "needs --vllm-lora merge"),
     (["--old-logp", "mine"], "pick one of trainer, sampler"),
     (["--batch-size", "6", "--group-size", "4", "--algo", "grpo"], "multiple of group_size"),
+    # out of range: each of these crashed (or trained on nonsense) at some later point before it was refused here
+    (["--n-eval", "0"], "n_eval must be >= 1, not 0 (held-out prompts per LLM evaluation"),
+    (["--eval-episodes", "0"], "eval_episodes must be >= 1, not 0"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, not 0"),
+    (["--eval-k", "-1"], "eval_k must be >= 0, not -1"),
+    (["--lora-r", "-1"], "lora_r must be >= 0, not -1 (LoRA rank (0 = full fine-tuning))"),
+    (["--gamma", "1.5"], "gamma must be >= 0 and <= 1, not 1.5"),
+    (["--port", "70000"], "port must be >= 0 and <= 65535, not 70000"),
+    (["--lr", "0"], "lr must be > 0, not 0.0"),
+    (["--turn-discount", "0"], "turn_discount must be > 0 and <= 1, not 0.0"),
+    (["--weight-decay", "-1"], "weight_decay must be >= 0, not -1.0"),
+    (["--ops", "+/"], "ops '+/': arith draws from + - and *"),
+    (["--ops", ""], "arith draws from + - and *"),
 ])
 def test_rejections_name_the_fix(argv, needle):
     with pytest.raises(SystemExit, match="config error") as e:
         config.parse(argv, CHOICES)
     assert needle in str(e.value)
+
+
+def test_every_numeric_field_has_a_range_or_its_own_check():
+    """A new int or float field gets a RANGES entry (or a check of its own, like these): a bad value is refused by
+    name before anything runs, not met as a traceback at the first step that uses it."""
+    numeric = {f.name for f in config.dataclasses.fields(config.Config) if f.type in (int, float)}
+    assert numeric - set(config.RANGES) == {"seed", "eps_high", "dual_clip", "tis_clip", "ent_coef"}
+    assert set(config.POSITIVE) <= set(config.RANGES)
+    for key, (low, high) in config.RANGES.items():  # the defaults themselves are in range
+        value = getattr(config.Config(), key)
+        assert (low < value if key in config.POSITIVE else low <= value) and (high is None or value <= high), key
 
 
 @pytest.mark.parametrize("line,needle", [
