@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import re
 
@@ -21,7 +22,7 @@ CHOICES = {  # fields with fixed names
     "kl_estimator": ("k1", "k2", "k3"), "loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "gen_dtype": DTYPES, "wire_dtype": DTYPES, "old_logp": ("trainer", "sampler")}
 # Numeric fields' valid ranges (low, high), ends included but POSITIVE's low end; None: no upper end.
-POSITIVE = ("lr", "temperature", "turn_discount", "vllm_kv_gib", "body_limit_mb")
+POSITIVE = ("lr", "turn_discount", "vllm_kv_gib", "body_limit_mb")
 RANGES = {
     "steps": (1, None), "epochs": (1, None), "minibatches": (1, None), "batch_size": (1, None), "group_size": (1, None),
     "eval_episodes": (1, None), "n_eval": (1, None), "digits": (1, None), "max_new_tokens": (1, None),
@@ -32,8 +33,11 @@ RANGES = {
     "weight_decay": (0, None), "max_grad_norm": (0, None), "kl_coef": (0, None), "vf_coef": (0, None),
     "vclip": (0, None), "adv_eps": (0, None), "peak_tflops": (0, None), "parity_tol": (0, None),
     "probe_tol": (0, None), "connect_timeout": (0, None), "port": (0, 65535), "gamma": (0, 1), "lam": (0, 1),
-    "eps": (0, 1), "vllm_mem": (0, 1), "lr": (0, None), "temperature": (0, None), "turn_discount": (0, 1),
-    "vllm_kv_gib": (0, None), "body_limit_mb": (0, None)}
+    "eps": (0, 1), "vllm_mem": (0, 1), "lr": (0, None), "temperature": (1e-3, None), "turn_discount": (0, 1),
+    "vllm_kv_gib": (0, None), "body_limit_mb": (0, None),
+    "seed": (0, 2**32 - 1)}
+# seed: numpy's range (vLLM seeds numpy with it). temperature: vLLM samples greedily below 1e-5, so the loss would
+# model a distribution nobody drew from, and logits / T overflow float32 near 1e-36.
 
 
 @dataclasses.dataclass
@@ -110,7 +114,7 @@ class Config:
     fsdp: bool = False  # under torchrun, shard the LLM policy over the ranks with FSDP2
     bf16: bool = True  # bf16 autocast for the trainer where the device has fast bf16 (weights stay fp32)
     lr: float = 0.005  # AdamW learning rate
-    weight_decay: float = 0.0  # AdamW's decoupled weight decay (0 = off: plain Adam)
+    weight_decay: float = 0.0  # AdamW's decoupled decay of weight matrices; biases, norms, embeddings: none (0 = off)
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     # --- advantage ---
     gamma: float = 0.99  # discount for return-to-go and GAE
@@ -144,6 +148,10 @@ class Config:
         for key, names in {**CHOICES, **dict(choices)}.items():
             if (value := getattr(self, key)) not in names:  # (the did-you-mean search only then: it reads the source)
                 need(False, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
+        for f in dataclasses.fields(self):  # NaN passes every comparison below, and inf trains on nonsense
+            value = getattr(self, f.name)
+            need(f.type is not float or math.isfinite(value),
+                 f"{f.name} must be a finite number, not {value} ({_field_help()[f.name][0]})")
         for key, (low, high) in RANGES.items():
             value = getattr(self, key)
             if value < low or value == low and key in POSITIVE or high is not None and value > high:

@@ -201,10 +201,11 @@ def setup(cfg):
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA "
                          "GPU: use --device cpu, or install a CUDA build of torch")
-    if "LOCAL_RANK" in os.environ and not dist.is_initialized():  # started by torchrun
+    launched = int(os.environ.get("WORLD_SIZE", 1)) > 1 or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
+    if launched and not dist.is_initialized():  # a launcher (torchrun) set up a world; a LOCAL_RANK alone is none
         dist.init_process_group(backend(cfg.device))
         if cuda:  # one GPU per rank; nccl collectives run on the current device
-            cfg.device = f"cuda:{os.environ['LOCAL_RANK']}"
+            cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
             torch.cuda.set_device(cfg.device)
     if not (cfg.out or cfg.resume):  # a folder of this run's own, even beside runs started in the same second
         name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task
@@ -220,10 +221,15 @@ def setup(cfg):
 
 def optimizer(policy, cfg):
     """AdamW on the trainable weights; on a GPU its fused kernel, one launch for all of them (FSDP's shards take
-    torch's default path)."""
+    torch's default path). --weight-decay decays weight matrices only, as is usual: not biases, norms (1-D) or
+    embeddings (a decayed embedding shrinks the rows of rare tokens, which get no gradient to hold them)."""
+    embeddings = {id(m.weight) for m in policy.modules() if isinstance(m, torch.nn.Embedding)}
     params = [p for p in policy.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+    rest = [p for p in params if p.dim() < 2 or id(p) in embeddings]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     fused = params[0].is_cuda and not cfg.fsdp
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, fused=fused)
 
 
 def restore(ckpt_path, policy, opt, cfg):
@@ -241,12 +247,24 @@ def restore(ckpt_path, policy, opt, cfg):
         raise SystemExit(f"config error: --resume {run}: its checkpoint does not fit this policy ({len(diff)} tensors "
                          f"differ, e.g. {diff[0]}; {', '.join(changed) or 'the same settings'}): drop the flags or "
                          f"--config that change the model; {run}/config.yaml is unchanged")
-    params, meta = load_checkpoint(ckpt_path, opt)
+    params, meta = load_checkpoint(ckpt_path, opt, mine)
     with torch.no_grad():
         for k, p in mine.items():
             p.copy_(like(params[k].to(p.device), p))
     policy.publish()  # the sampler must start from the restored weights too
     return meta["step"], meta["time_s"] - (time.time() - T0)
+
+
+def caveats(cfg, task):
+    """Settings under which a documented behaviour does not apply: said as the run starts (README says so too)."""
+    out = []
+    if not task.llm and cfg.algo != "ppo" and cfg.gamma >= 1:
+        out.append("note: at --gamma 1 an episode cut by the time limit is not bootstrapped (its tail r_mean / "
+                   "(1 - gamma) is infinite): it counts only the rewards it saw")
+    if cfg.old_logp == "sampler":
+        out.append("note: --old-logp sampler: old_logp is the sampler's own, so logp_gap is 0 and tis_weight 1 by "
+                   "construction")
+    return out
 
 
 def results_line(cfg, log, llm):
@@ -301,6 +319,8 @@ def run(cfg, task, policy, opt, start, t_offset):
         return step
 
     log = Logger(cfg.out, start, cfg.steps, cfg)
+    for line in caveats(cfg, task):
+        log.say(line)
     if task.llm:
         log.say("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)

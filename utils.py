@@ -314,14 +314,25 @@ def rng_states():
     return states
 
 
+def opt_index(opt, params):
+    """The checkpoint index of each of the optimizer's weights, in torch's numbering (group after group): its place
+    among `params`, the policy's trainable weights in order. Checkpoints number states as one group did, so those
+    written before AdamW had groups resume, and no regrouping moves a state onto another weight."""
+    place = {id(p): i for i, p in enumerate(params.values())}
+    return [place[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
 def save_checkpoint(path, params, opt, meta):
     """Every rank calls it: FSDP shards are gathered, each rank's RNG state kept ([world, S]); rank 0 writes a
     temporary file that replaces the checkpoint once complete (a kill mid-save leaves the old one). The optimizer's
-    state is torch's state_dict, flattened: opt.<param index>.<name>. -> the whole params"""
+    state is torch's state_dict, flattened: opt.<param index>.<name>, the index the weight's place in `params`
+    (opt_index). -> the whole params"""
+    states = opt.state_dict()["state"]
+    place = opt_index(opt, params) if states else []
     params = {k: full(v).detach().contiguous().cpu() for k, v in params.items()}
     tensors = {f"model.{k}": v for k, v in params.items()}
-    for i, state in opt.state_dict()["state"].items():  # AdamW's step and moments
-        tensors.update({f"opt.{i}.{k}": full(v).cpu().contiguous() for k, v in state.items()})
+    for j, state in states.items():  # AdamW's step and moments
+        tensors.update({f"opt.{place[j]}.{k}": full(v).cpu().contiguous() for k, v in state.items()})
     for name, rng in rng_states().items():  # [world, S] each
         tensors[f"rng.{name}"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
     if rank() == 0:
@@ -331,17 +342,20 @@ def save_checkpoint(path, params, opt, meta):
     return params
 
 
-def load_checkpoint(path, opt):
+def load_checkpoint(path, opt, params):
     """-> (params name -> whole tensor, meta). Every rank reads it and restores the optimizer (sharded like its
-    parameters) and its own RNG states (on another number of ranks, each keeps the seed it was given)."""
+    parameters; `params` as given to save_checkpoint) and its own RNG states (on another number of ranks, each keeps
+    the seed it was given)."""
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["flatrl"])
     tensors = load_file(path)
-    params, state = opt.param_groups[0]["params"], {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, i, name = k.split(".", 2)
-            state.setdefault(int(i), {})[name] = like(v, params[int(i)]) if v.dim() else v
+    saved = {k: v for k, v in tensors.items() if k.startswith("opt.")}
+    held, state = [p for g in opt.param_groups for p in g["params"]], {}
+    torch_index = {i: j for j, i in enumerate(opt_index(opt, params))} if saved else {}
+    for k, v in saved.items():
+        _, i, name = k.split(".", 2)
+        j = torch_index[int(i)]
+        state.setdefault(j, {})[name] = like(v, held[j]) if v.dim() else v
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
     restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
     for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)
@@ -362,6 +376,10 @@ PANELS = (("reward", "eval_"), ("trained_entropy",), ("trained_approx_kl", "trai
           ("staleness", "probe_gap"), ("gen_mfu", "train_mfu"))
 
 
+# metrics.csv columns renamed since: a run resumed from before keeps one column for each
+RENAMED = {k: f"trained_{k}" for k in ("entropy", "ratio", "ratio_max", "clipfrac", "approx_kl", "kl")}
+
+
 class Logger:
     """One call per step: a progress line, a metrics.csv row, the --log-to trackers; curves.png at the end. Rank 0
     writes; the other ranks' calls do nothing."""
@@ -376,8 +394,8 @@ class Logger:
         if self.on and os.path.exists(self.path):  # resumed: keep the curve up to the checkpoint's step
             with open(self.path) as f:
                 reader = csv.DictReader(f)
-                rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
-                self.fields = reader.fieldnames
+                rows = [{RENAMED.get(k, k): float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
+                self.fields = [RENAMED.get(k, k) for k in reader.fieldnames]
             self.rows = [r for r in rows if r["step"] < start]  # later rows are redone from the checkpoint
             self.write()
 

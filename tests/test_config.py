@@ -56,15 +56,50 @@ def test_rejections_name_the_fix(argv, needle):
     assert needle in str(e.value)
 
 
+# The numeric fields without a RANGES entry, each with a value its own check refuses and the message's words.
+OWN_CHECKS = {"eps_high": ("0.1", "eps_high 0.1 < eps 0.2"), "dual_clip": ("0.5", "dual_clip must be 0 (off) or > 1"),
+              "tis_clip": ("0.5", "tis_clip 0.5 < 1 would down-weight"),
+              "ent_coef": ("nan", "ent_coef must be a finite number, not nan")}  # negative: a legitimate penalty
+
+
 def test_every_numeric_field_has_a_range_or_its_own_check():
-    """A new int or float field gets a RANGES entry (or a check of its own, like these): a bad value is refused by
-    name before anything runs, not met as a traceback at the first step that uses it."""
+    """A new int or float field gets a RANGES entry (or a check of its own, exercised here): a bad value is refused
+    by name before anything runs, not met as a traceback at the first step that uses it."""
     numeric = {f.name for f in config.dataclasses.fields(config.Config) if f.type in (int, float)}
-    assert numeric - set(config.RANGES) == {"seed", "eps_high", "dual_clip", "tis_clip", "ent_coef"}
+    assert numeric - set(config.RANGES) == set(OWN_CHECKS)
+    for key, (value, needle) in OWN_CHECKS.items():
+        with pytest.raises(SystemExit, match="config error") as e:
+            config.parse(["--" + key.replace("_", "-"), value], CHOICES)
+        assert needle in str(e.value), key
     assert set(config.POSITIVE) <= set(config.RANGES)
     for key, (low, high) in config.RANGES.items():  # the defaults themselves are in range
         value = getattr(config.Config(), key)
         assert (low < value if key in config.POSITIVE else low <= value) and (high is None or value <= high), key
+
+
+def test_nan_and_inf_are_refused_in_every_float_field(tmp_path):
+    """NaN passes every range comparison (and trained a whole run on skipped steps); inf crashed in sampling."""
+    floats = [f.name for f in config.dataclasses.fields(config.Config) if f.type is float]
+    assert len(floats) >= 18
+    for key in floats:
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(SystemExit, match=f"config error: {key} must be a finite number, not {value}"):
+                config.parse([f"--{key.replace('_', '-')}={value}"], CHOICES)
+    preset = tmp_path / "p.yaml"
+    preset.write_text("gamma: .nan\n")
+    with pytest.raises(SystemExit, match="gamma must be a finite number, not nan"):
+        config.parse(["--config", str(preset)])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--seed", "18446744073709551616"], "seed must be >= 0 and <= 4294967295"),  # a torch overflow traceback
+    (["--seed", "-1"], "seed must be >= 0"),
+    (["--temperature", "1e-40"], "temperature must be >= 0.001, not 1e-40"),  # logits / T overflowed in the sampler
+])
+def test_seed_and_temperature_out_of_range(argv, needle):
+    with pytest.raises(SystemExit, match="config error") as e:
+        config.parse(argv, CHOICES)
+    assert needle in str(e.value)
 
 
 @pytest.mark.parametrize("line,needle", [

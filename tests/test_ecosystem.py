@@ -2,6 +2,7 @@
 offline), the run picture, and --help grouped by section. Offline, seconds each."""
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -162,3 +163,59 @@ def test_help_is_grouped_by_the_sections_of_config_py(capsys):
                           ("LLM tasks:", "--max-turns"), ("update:", "--eps-high")):
         assert out.index(section) < out.index("\n  " + flag + " ")  # the flag's own line, not the usage
     assert out.index("update:") > out.index("LLM tasks:") > out.index("run:")
+
+
+def documented_columns():
+    """The README's metrics table: each row's first cell, names split at commas; `*` and `@k` stand for any ending."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    table = readme[readme.index("| column | how to read it |"):].split("\n\n")[0].splitlines()[2:]
+    names = [n.strip() for row in table for n in row.split("|")[1].split(",")]
+    return [re.escape(n).replace(r"\*", ".*").replace("@k", r"@\d+") for n in names]
+
+
+def undocumented(columns):
+    return sorted(c for c in columns if not any(re.fullmatch(p, c) for p in documented_columns()))
+
+
+def test_every_column_a_run_writes_is_in_the_readmes_table(tiny_llm, tmp_path):
+    """Collected from a sync LLM run (multi-turn, pass@k), a tool run, and an async trainer with a worker (TIS)."""
+    from test_serve import CARTPOLE, finish, free_port, spawn
+    tiny = ["--model", tiny_llm, "--algo", "grpo", "--group-size", "2", "--batch-size", "4", "--steps", "1",
+            "--max-new-tokens", "6", "--n-eval", "2", "--lora-r", "2"]
+    train.main(["--task", "arith", *tiny, "--max-turns", "2", "--eval-k", "2", "--out", str(tmp_path / "sync")])
+    train.main(["--task", "calc", *tiny, "--max-turns", "2", "--out", str(tmp_path / "tool")])
+    port = free_port()
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "3", "--tis-clip", "2",
+                    "--out", str(tmp_path / "trainer"))
+    worker = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--tis-clip", "2",
+                   "--out", str(tmp_path / "worker"))
+    finish(trainer), finish(worker)
+    columns = {}
+    for run in ("sync", "tool", "trainer", "worker"):
+        columns[run] = set(csv.DictReader(open(tmp_path / run / "metrics.csv")).fieldnames)
+    assert {"eval_acc_turn1", "eval_pass@2", "turns"} <= columns["sync"]
+    assert {"tool_calls", "eval_tool_errors"} <= columns["tool"]
+    assert {"tis_weight", "staleness_max", "rejected"} <= columns["trainer"] and "status" in columns["worker"]
+    assert undocumented(set.union(*columns.values())) == []
+    assert undocumented({"eval_pass@16", "dropped_late", "new_metric"}) == ["dropped_late", "new_metric"]
+
+
+def test_a_metrics_file_from_before_the_trained_rename_resumes_into_one_set_of_columns(tmp_path):
+    from utils import Logger
+    (tmp_path / "metrics.csv").write_text("step,time_s,reward,entropy,approx_kl\n0,1,0.5,2.5,0.01\n1,2,0.6,2.4,0.02\n")
+    log = Logger(str(tmp_path), 2, 3)
+    log.log({"step": 2, "time_s": 3.0, "reward": 0.7, "trained_entropy": 2.3, "trained_approx_kl": 0.03}, 3)
+    log.close(str(tmp_path), plot=False)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert list(rows[0]) == ["step", "time_s", "reward", "trained_entropy", "trained_approx_kl"]
+    assert [r["trained_entropy"] for r in rows] == ["2.5", "2.4", "2.3"]
+
+
+def test_settings_that_change_a_documented_behaviour_are_said_at_the_start(tmp_path, capsys):
+    cartpole(tmp_path / "a", "--gamma", "1")
+    cartpole(tmp_path / "b", "--old-logp", "sampler")
+    cartpole(tmp_path / "c", "--gamma", "1", "--algo", "ppo")  # the critic bootstraps: nothing to say
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert said.count("at --gamma 1 an episode cut by the time limit is not bootstrapped") == 1
+    assert said.count("--old-logp sampler: old_logp is the sampler's own, so logp_gap is 0") == 1

@@ -14,14 +14,14 @@ import gymnasium as gym
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import tasks
 import train
 import utils
 from algos import ADVANTAGES
 from config import Config
-from model import MLPPolicy
+from model import HFPolicy, MLPPolicy
 from tasks import GymTask
 from utils import Logger
 
@@ -183,7 +183,7 @@ def test_checkpoints_keep_the_gpu_rng_state_too(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     utils.save_checkpoint(str(tmp_path / "c.safetensors"), {"w": torch.ones(3)}, opt, {"step": 1})
-    utils.load_checkpoint(str(tmp_path / "c.safetensors"), opt)
+    utils.load_checkpoint(str(tmp_path / "c.safetensors"), opt, {"w": torch.ones(3)})
     assert len(restored) == 1 and torch.equal(restored[0], saved)
 
 
@@ -206,7 +206,7 @@ def test_adamw_is_adam_without_decay_and_resumes_checkpoints_from_before_it(tmp_
               metadata={"flatrl": json.dumps({"step": 6, "rng_python": random.getstate()})})
     resumed = torch.nn.ParameterList([p.detach().clone() for p in theirs])
     opt = train.optimizer(resumed, Config(lr=0.01))
-    utils.load_checkpoint(str(tmp_path / "old.safetensors"), opt)
+    utils.load_checkpoint(str(tmp_path / "old.safetensors"), opt, dict(resumed.named_parameters()))
     assert [s["step"].item() for s in opt.state_dict()["state"].values()] == [6, 4]
     for ps, o in ((resumed, opt), (theirs, adam)):  # one more step each, on the same gradient
         ps[0].grad = torch.ones(5, 3)
@@ -215,13 +215,49 @@ def test_adamw_is_adam_without_decay_and_resumes_checkpoints_from_before_it(tmp_
 
 
 def test_weight_decay_shrinks_the_weights_decoupled_from_the_gradient():
-    w = torch.nn.Parameter(torch.full((3,), 2.0))
+    w = torch.nn.Parameter(torch.full((3, 2), 2.0))
     opt = train.optimizer(torch.nn.ParameterList([w]), Config(lr=0.1, weight_decay=0.5))
-    w.grad = torch.zeros(3)  # no gradient: Adam's step is 0, only the decay moves w
+    w.grad = torch.zeros(3, 2)  # no gradient: Adam's step is 0, only the decay moves w
     opt.step()
-    assert torch.allclose(w.detach(), torch.full((3,), 2.0 * (1 - 0.1 * 0.5)))  # w <- w (1 - lr wd)
+    assert torch.allclose(w.detach(), torch.full((3, 2), 2.0 * (1 - 0.1 * 0.5)))  # w <- w (1 - lr wd)
     with pytest.raises(SystemExit, match="weight_decay must be >= 0"):
         Config(weight_decay=-1.0).validate()
+
+
+def decayed(policy, cfg):
+    """The names of the parameters train.optimizer decays, and of those it does not."""
+    opt, names = train.optimizer(policy, cfg), {id(p): k for k, p in policy.named_parameters()}
+    groups = {g["weight_decay"] > 0: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
+    return groups.get(True, set()), groups.get(False, set())
+
+
+def test_weight_decay_falls_on_weight_matrices_only(tiny_llm):
+    """The usual convention: biases, norms, embeddings and the value head's bias are not decayed."""
+    mlp = MLPPolicy(4, 2, 8, critic=True)
+    yes, no = decayed(mlp, Config(weight_decay=0.1))
+    assert yes == {f"{net}.{i}.weight" for net in ("actor", "critic") for i in (0, 2, 4)}
+    assert no == {f"{net}.{i}.bias" for net in ("actor", "critic") for i in (0, 2, 4)}
+    full_ft = HFPolicy(Config(task="arith", model=tiny_llm, lora_r=0, algo="ppo", weight_decay=0.1))
+    yes, no = decayed(full_ft, Config(weight_decay=0.1))
+    assert "lm.model.embed_tokens.weight" in no and "lm.model.norm.weight" in no
+    assert "lm.model.layers.0.input_layernorm.weight" in no and "value_head.bias" in no
+    assert "lm.model.layers.0.self_attn.q_proj.weight" in yes and "value_head.weight" in yes
+    assert "lm.lm_head.weight" in yes  # an untied output projection is a weight matrix
+    assert all(k.endswith("norm.weight") or k.endswith("bias") or "embed" in k for k in no)
+    lora = HFPolicy(Config(task="arith", model=tiny_llm, algo="ppo", weight_decay=0.1))
+    yes, no = decayed(lora, Config(weight_decay=0.1))
+    assert yes and all("lora_" in k for k in yes - {"value_head.weight"}) and no == {"value_head.bias"}
+
+
+def test_a_resume_with_weight_decay_equals_a_run_never_stopped(tmp_path):
+    """Two AdamW groups number their states otherwise than one did; checkpoints keep the policy's order (opt_index)."""
+    flags = ["--task", "cartpole", "--algo", "ppo", "--batch-size", "4", "--weight-decay", "0.1", "--eval-every", "0",
+             "--no-stop-when-solved"]
+    train.main(flags + ["--steps", "4", "--out", str(tmp_path / "whole")])
+    train.main(flags + ["--steps", "2", "--out", str(tmp_path / "half")])
+    train.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
+    whole, half = (load_file(tmp_path / d / "checkpoint.safetensors") for d in ("whole", "half"))
+    assert whole.keys() == half.keys() and all(torch.equal(whole[k], half[k]) for k in whole)
 
 
 def test_the_updates_token_metrics_cover_the_rows_it_trained_on():
@@ -385,3 +421,14 @@ def test_user_mistakes_are_one_line_errors(tmp_path, argv, needle):
 def test_generation_benchmark_checks_its_arguments_first(flags):
     run = subprocess.run([sys.executable, "benchmarks/generation.py", *flags], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--steps >= 3" in run.stderr and run.stdout == ""  # refused before any round ran
+
+
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "0"}, {"LOCAL_RANK": "0", "RANK": "0"}])
+def test_a_local_rank_without_a_world_runs_as_one_process(tmp_path, env):
+    """Only a launcher's world (WORLD_SIZE > 1, or RANK and WORLD_SIZE) starts a process group: a LOCAL_RANK left in
+    the environment (a notebook, a job script) once ended in torch's "environment variable RANK expected"."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} | env
+    run = subprocess.run([sys.executable, "train.py", "--task", "cartpole", "--steps", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert [r["step"] for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == ["0", "1"]
