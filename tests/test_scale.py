@@ -205,7 +205,7 @@ def test_a_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     proc.wait()
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     from utils import load_checkpoint
-    params, meta = load_checkpoint(path, opt)
+    params, meta = load_checkpoint(path, opt, {"w": torch.ones(3)})
     assert meta["step"] == 1 and torch.equal(params["w"], torch.ones(3))
 
 
