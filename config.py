@@ -11,10 +11,12 @@ import inspect
 import math
 import os
 import re
+import sys
 
 import yaml
 
 ONE_SHOT = ("check_parity", "ask")  # act once and exit: never written to a run's config.yaml
+DROPPED = {"probe_tol": "the worker sync probe is gone: gap_tol warns on logp_gap instead"}  # in older config.yaml
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 CHOICES = {  # fields with fixed names
     "role": ("sync", "trainer", "rollout"), "credit": ("episode", "turn"), "generator": ("hf", "vllm"),
@@ -32,7 +34,7 @@ RANGES = {
     "max_episode_tokens": (0, None), "eval_k": (0, None), "overlong_buffer": (0, None), "lora_r": (0, None),
     "weight_decay": (0, None), "max_grad_norm": (0, None), "kl_coef": (0, None), "vf_coef": (0, None),
     "vclip": (0, None), "adv_eps": (0, None), "peak_tflops": (0, None), "parity_tol": (0, None),
-    "probe_tol": (0, None), "connect_timeout": (0, None), "port": (0, 65535), "gamma": (0, 1), "lam": (0, 1),
+    "gap_tol": (0, None), "connect_timeout": (0, None), "port": (0, 65535), "gamma": (0, 1), "lam": (0, 1),
     "eps": (0, 1), "vllm_mem": (0, 1), "lr": (0, None), "temperature": (1e-3, None), "turn_discount": (0, 1),
     "vllm_kv_gib": (0, None), "body_limit_mb": (0, None),
     "seed": (0, 2**32 - 1)}
@@ -101,7 +103,7 @@ class Config:
     check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit
     ask: str = ""  # with --resume RUN: print the trained policy's greedy reply to this prompt, then exit
     parity_tol: float = 0.0  # largest mean |delta logp| --check-parity accepts (0 = 1e-3 in fp32, 0.1 with bf16)
-    probe_tol: float = 0.25  # trainer warns when a worker's probe logprobs differ from its own by more
+    gap_tol: float = 0.25  # trainer warns when a batch's logp_gap is larger: a worker whose weights did not load
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)
     eval_k: int = 0  # pass@k on the held-out prompts with k samples at temperature (0 = off)
     overlong_buffer: int = 0  # penalise completions in the last N tokens before the cap, -1 at the cap (0 = off)
@@ -230,6 +232,9 @@ def load_yaml(path):
     if not isinstance(data, dict):
         raise SystemExit(f"config error: {path} must hold 'key: value' lines")
     types = {f.name: f.type for f in dataclasses.fields(Config)}
+    for key in DROPPED.keys() & data.keys():  # a run written before a field went still resumes
+        print(f"note: {path}: {key} ignored ({DROPPED[key]})", file=sys.stderr)
+        del data[key]
     for key, value in data.items():
         if key not in types:
             raise SystemExit(f"config error: unknown key {key!r} in {path}{_closest(str(key), list(types))}")

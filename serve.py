@@ -10,7 +10,6 @@ import hmac
 import http.client
 import http.server
 import json
-import math
 import os
 import threading
 import time
@@ -22,7 +21,7 @@ import uuid
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
-from model import check_parity
+from model import check_keys, check_parity
 from utils import Batch, Logger, broadcast_bytes, full, rank, sharded, world
 
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
@@ -60,7 +59,7 @@ class SyncSource:
 def pack_batch(batch, worker):
     tensors = {k: v.contiguous() for k, v in batch.tensors().items()}
     meta = {"version": str(batch.version), "worker": worker, "stats": json.dumps(batch.stats)}
-    return st_save(tensors, metadata={**meta, **({"probe": json.dumps(batch.probe)} if batch.probe else {})})
+    return st_save(tensors, metadata=meta)
 
 
 def unpack_batch(body, cfg, expect):
@@ -99,12 +98,8 @@ def unpack_batch(body, cfg, expect):
     try:
         b.version, worker = int(meta["version"]), str(meta["worker"])
         b.stats = {str(k): float(v) for k, v in json.loads(meta.get("stats", "{}")).items()}
-        b.probe = [float(x) for x in json.loads(meta["probe"])] if "probe" in meta else None
     except (KeyError, ValueError, TypeError, AttributeError):
-        raise ValueError("metadata needs an integer 'version', a 'worker', optional JSON 'stats' and 'probe' of "
-                         "numbers")
-    if b.probe is not None and (len(b.probe) != expect.probe_len or not all(map(math.isfinite, b.probe))):
-        raise ValueError(f"probe must hold {expect.probe_len} finite logprobs")
+        raise ValueError("metadata needs an integer 'version', a 'worker' and optional JSON 'stats' of numbers")
     return b, worker
 
 
@@ -118,7 +113,6 @@ class Expect(dict):
                          truncated=(torch.bool, 1), sampler_logp=(torch.float32, 2),
                          **({"attn": (torch.float32, 2)} if llm else {"final_obs": (torch.float32, 2)}))
         self.limit = policy.lm.get_input_embeddings().num_embeddings if llm else task.n_actions
-        self.probe_len = policy.probe().actions.shape[1] if llm else 0
         self.obs_dim = None if llm else task.obs_dim
 
 
@@ -134,103 +128,121 @@ class Hub:
         self.seen, self.told = {}, set()  # worker id -> last time heard from; workers that know training ended
 
 
-def make_handler(hub, cfg, expect, token):
-    limit = int(cfg.body_limit_mb * 2**20)
+class Handler(http.server.BaseHTTPRequestHandler):
+    """The trainer's HTTP routes, one method each. What they share (the Hub, the config, the expected tensors, the
+    token) hangs on the server: self.server.hub and so on (AsyncSource sets them)."""
+    timeout = 30  # seconds a client may take to send its request: a stalled client cannot pin a thread
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        timeout = 30  # seconds a client may take to send its request: a stalled client cannot pin a thread
+    def log_message(self, *args):  # the trainer's progress bar owns the terminal
+        pass
 
-        def log_message(self, *args):  # the trainer's progress bar owns the terminal
-            pass
+    def reply(self, code, body=None, headers=()):
+        raw = isinstance(body, bytes)
+        data = body if raw else json.dumps(body or {}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/octet-stream" if raw else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
 
-        def reply(self, code, body=None, headers=()):
-            raw = isinstance(body, bytes)
-            data = body if raw else json.dumps(body or {}).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/octet-stream" if raw else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in headers:
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
+    def fail(self, code, msg):
+        if self.command == "POST":
+            with self.server.hub.cond:
+                self.server.hub.counts["rejected"] += 1
+        self.reply(code, {"error": msg})
 
-        def fail(self, code, msg):
-            if self.command == "POST":
-                with hub.cond:
-                    hub.counts["rejected"] += 1
-            self.reply(code, {"error": msg})
+    def authorized(self):
+        got, token = self.headers.get("Authorization", ""), self.server.token
+        return token is None or hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
 
-        def authorized(self):
-            got = self.headers.get("Authorization", "")
-            return token is None or hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
-
-        def do_GET(self):
-            url = urllib.parse.urlparse(self.path)
-            if url.path == "/healthz":
-                with hub.cond:
-                    health = {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts}
-                return self.reply(200, health)
-            if not self.authorized():
-                return self.fail(401, "missing or wrong bearer token")
-            if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
-                with hub.cond:
-                    hub.seen[worker] = time.time()
-            if url.path == "/config":
-                return self.reply(200, {"fingerprint": {k: getattr(cfg, k) for k in FINGERPRINT}, "steps": cfg.steps})
-            if url.path != "/weights":
-                return self.fail(404, f"no endpoint {url.path}")
-            try:
-                q = {k: int(v) for k, (v,) in urllib.parse.parse_qs(url.query, strict_parsing=bool(url.query)).items()}
-            except ValueError:
-                return self.fail(400, "query parameters have and wait must be integers")
-            have, wait = q.get("have", -1), min(max(q.get("wait", 0), 0), 60)
-            with hub.cond:
-                hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
-                last = hub.done or hub.version >= cfg.steps  # a worker stops at the final weights too
-                if hub.done:
-                    answer = 410, {"error": "training finished"}
-                elif hub.version == have:
-                    answer = 304, b""
-                else:
-                    answer = 200, hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha)]
-            self.reply(*answer)
-            if last:  # told only once it has the answer: the trainer stops serving as soon as every worker is told
-                with hub.cond:
-                    hub.told.add(worker)
-
-        def do_POST(self):
-            if self.path != "/rollouts":
-                return self.fail(404, f"no endpoint {self.path}")
-            if not self.authorized():
-                return self.fail(401, "missing or wrong bearer token")
-            size = self.headers.get("Content-Length", "")
-            if not size.isdecimal():
-                return self.fail(411, "a non-negative integer Content-Length is required")
-            if (size := int(size)) > limit:
-                return self.fail(413, f"body of {size} bytes is over the {limit}-byte limit (body_limit_mb)")
-            body = self.rfile.read(size)
-            if len(body) != size:
-                return self.fail(400, f"body ended after {len(body)} of {size} bytes")
-            try:
-                batch, worker = unpack_batch(body, cfg, expect)
-            except ValueError as e:
-                return self.fail(400, str(e))
+    def do_GET(self):
+        url, hub = urllib.parse.urlparse(self.path), self.server.hub
+        if url.path == "/healthz":
+            return self.healthz()
+        if not self.authorized():
+            return self.fail(401, "missing or wrong bearer token")
+        if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
             with hub.cond:
                 hub.seen[worker] = time.time()
-                if hub.done:
-                    hub.told.add(worker)
-                    return self.reply(410, {"error": "training finished"})
-                if batch.version > hub.version:
-                    return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
-                if len(hub.queue) >= cfg.max_queue:
-                    hub.counts["dropped_busy"] += 1
-                    return self.reply(503, {"error": "queue full; fetch newer weights and try again"})
-                hub.queue.append(batch)
-                hub.counts["accepted"] += 1
-                hub.cond.notify_all()
-            self.reply(200, {"queued": len(hub.queue)})
+        if url.path == "/config":
+            cfg = self.server.cfg
+            return self.reply(200, {"fingerprint": {k: getattr(cfg, k) for k in FINGERPRINT}, "steps": cfg.steps})
+        if url.path == "/weights":
+            return self.weights(url.query, worker)
+        return self.fail(404, f"no endpoint {url.path}")
 
-    return Handler
+    def healthz(self):
+        hub = self.server.hub
+        with hub.cond:
+            health = {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts}
+        self.reply(200, health)
+
+    def weights(self, query, worker):
+        """GET /weights?have=V&wait=S: long-poll for a version other than V; 304 after S seconds, 410 once done."""
+        hub = self.server.hub
+        try:
+            q = {k: int(v) for k, (v,) in urllib.parse.parse_qs(query, strict_parsing=bool(query)).items()}
+        except ValueError:
+            return self.fail(400, "query parameters have and wait must be integers")
+        have, wait = q.get("have", -1), min(max(q.get("wait", 0), 0), 60)
+        with hub.cond:
+            hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
+            last = hub.done or hub.version >= self.server.cfg.steps  # a worker stops at the final weights too
+            if hub.done:
+                answer = 410, {"error": "training finished"}
+            elif hub.version == have:
+                answer = 304, b""
+            else:
+                answer = 200, hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha)]
+        self.reply(*answer)
+        if last:  # told only once it has the answer: the trainer stops serving as soon as every worker is told
+            with hub.cond:
+                hub.told.add(worker)
+
+    def do_POST(self):
+        if self.path != "/rollouts":
+            return self.fail(404, f"no endpoint {self.path}")
+        if not self.authorized():
+            return self.fail(401, "missing or wrong bearer token")
+        body = self.body()
+        if body is not None:
+            self.rollouts(body)
+
+    def body(self):
+        """The request's body, or None once a 4xx said why not (no length, over body_limit_mb, cut short)."""
+        size, limit = self.headers.get("Content-Length", ""), int(self.server.cfg.body_limit_mb * 2**20)
+        if not size.isdecimal():
+            return self.fail(411, "a non-negative integer Content-Length is required")
+        if (size := int(size)) > limit:
+            return self.fail(413, f"body of {size} bytes is over the {limit}-byte limit (body_limit_mb)")
+        body = self.rfile.read(size)
+        if len(body) != size:
+            return self.fail(400, f"body ended after {len(body)} of {size} bytes")
+        return body
+
+    def rollouts(self, body):
+        """POST /rollouts: a batch into the queue (200), or why not (400 malformed, 410 done, 503 queue full)."""
+        hub, cfg = self.server.hub, self.server.cfg
+        try:
+            batch, worker = unpack_batch(body, cfg, self.server.expect)
+        except ValueError as e:
+            return self.fail(400, str(e))
+        with hub.cond:
+            hub.seen[worker] = time.time()
+            if hub.done:
+                hub.told.add(worker)
+                return self.reply(410, {"error": "training finished"})
+            if batch.version > hub.version:
+                return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
+            if len(hub.queue) >= cfg.max_queue:
+                hub.counts["dropped_busy"] += 1
+                return self.reply(503, {"error": "queue full; fetch newer weights and try again"})
+            hub.queue.append(batch)
+            hub.counts["accepted"] += 1
+            hub.cond.notify_all()
+        self.reply(200, {"queued": len(hub.queue)})
 
 
 class AsyncSource:
@@ -243,13 +255,12 @@ class AsyncSource:
             raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
         self.snapshots = {}  # version -> the trainable weights that sampled it
-        self.staleness, self.probe_gaps = [], []  # this step's, for stats()
-        self.probe, self.expect = policy.probe() if task.llm else None, Expect(task, policy)
+        self.staleness, self.expect = [], Expect(task, policy)  # staleness: this step's, for stats()
         self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
         self.server = None  # under torchrun only rank 0 serves; the others get every batch from it (next_batch)
         if rank() == 0:
-            handler = make_handler(self.hub, cfg, self.expect, token)
-            self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), handler)
+            self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), Handler)
+            self.server.hub, self.server.cfg, self.server.expect, self.server.token = self.hub, cfg, self.expect, token
             self.server.daemon_threads = True
             threading.Thread(target=self.server.serve_forever, daemon=True).start()
             log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
@@ -298,27 +309,18 @@ class AsyncSource:
 
     @contextlib.contextmanager
     def weights(self, batch):
-        """Swap in the snapshot that sampled the batch, then back; check the worker's probe against it (a bad sync)."""
+        """Swap in the snapshot that sampled the batch, then back."""
         self.policy.load_state_dict(self.snapshots[batch.version], strict=False)
         try:
-            if batch.probe is not None:
-                with torch.no_grad():
-                    ours = self.policy.score(self.probe, temperature=1.0)["logp"][0].cpu()
-                self.probe_gaps.append((ours - torch.tensor(batch.probe)).abs().mean().item())
-                if self.probe_gaps[-1] > self.cfg.probe_tol:
-                    self.log.say(f"warning: a worker's weights look out of sync at version {batch.version} "
-                                 f"(probe gap {self.probe_gaps[-1]:.3f} > probe_tol {self.cfg.probe_tol})")
             yield
         finally:
             self.policy.load_state_dict(self.snapshots[self.hub.version], strict=False)
 
     def stats(self):
-        """The step's transport metrics: queue, staleness (mean, max), the worst probe gap, drop counters."""
+        """The step's transport metrics: queue, staleness (mean, max), drop counters."""
         s = self.staleness
         out = {"staleness": sum(s) / max(len(s), 1), "staleness_max": max(s, default=0)}
-        if self.probe_gaps:
-            out["probe_gap"] = max(self.probe_gaps)
-        self.staleness, self.probe_gaps = [], []
+        self.staleness = []
         with self.hub.cond:
             counts = {k: v for k, v in self.hub.counts.items() if k != "accepted"}
             return {"queue": len(self.hub.queue), **out, **counts}
@@ -378,7 +380,7 @@ def run_worker(cfg, task, policy):
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
     if task.llm:  # once at start-up: does this generator sample what the trainer scores?
         check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:4]], cfg, log.say)
-    version, n, probe, publish_s = -1, 0, None, 0.0  # the weights sampled with, batches accepted
+    version, n, publish_s = -1, 0, 0.0  # the weights sampled with, batches accepted
     wait = 30  # seconds to long-poll /weights for a newer version
     while True:
         status, headers, body = call(cfg, f"/weights?have={version}&wait={wait}")
@@ -388,19 +390,20 @@ def run_worker(cfg, task, policy):
             if hashlib.sha256(body).hexdigest() != headers["X-Flatrl-Sha256"]:
                 continue  # corrupted in transit: fetch again
             t = time.time()
-            policy.load_state_dict(st_load(body), strict=False)
+            weights, mine = st_load(body), policy.params()
+            check_keys(weights, mine, [k for k in mine if not k.startswith("value_head")])  # what the trainer sends
+            policy.load_state_dict(weights, strict=False)
             policy.publish()  # into the sampler: an HF copy, or the vLLM engine (merge + reload + cache reset)
             version, publish_s = int(headers["X-Flatrl-Version"]), time.time() - t
             if version >= remote["steps"]:  # the final weights: the trainer is evaluating and closing
                 break
-            probe = policy.generator.score(policy.probe())[0].tolist() if task.llm else None
         elif status != 304:
             raise SystemExit(f"trainer refused /weights ({status}): {body[:200].decode(errors='replace')}")
         if version < 0:
             continue
         wait = 0
         batch = task.rollout(policy, step=int(WORKER, 16) * 1000 + n)  # prompts / env seeds of this worker
-        batch.version, batch.probe = version, probe
+        batch.version = version
         status, _, body = call(cfg, "/rollouts", pack_batch(batch, WORKER))
         if status == 410:
             break

@@ -179,6 +179,7 @@ class LLMTask:
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
         self.eval_set = self.held_out()
         self.held_keys = {q for q, _ in self.eval_set}
+        self.check_training_room()
 
     def held_out(self):
         rng, found = random.Random(10**9), {}
@@ -189,6 +190,19 @@ class LLMTask:
             found.setdefault(q, a)
         raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
                          f"lower --n-eval (training needs the rest)")
+
+    def check_training_room(self):
+        """Refuse a task that holds out (nearly) all its problems: train_problems would draw forever, or repeat a
+        handful. A step's prompts need at least as many distinct problems left to train on."""
+        rng, left, want = random.Random(10**9 + 1), set(), self.cfg.batch_size // self.cfg.group_size
+        for _ in range(1000 * want):
+            q, _ = self.problem(rng)
+            if q not in self.held_keys:
+                left.add(q)
+                if len(left) == want:
+                    return
+        raise SystemExit(f"config error: {type(self).__name__} has {len(left)} distinct problems left for training "
+                         f"after the {self.cfg.n_eval} held out, fewer than a step's {want} prompts: lower --n-eval")
 
     def build_prompt(self, question):
         return question

@@ -9,15 +9,10 @@ the reading path then goes tasks.play -> algos -> model.HFPolicy.score -> serve.
     python train.py --resume runs/cartpole-reinforce-<time>   # continue a run exactly where it stopped
 """
 import gc
-import time
-
-T0 = time.time()  # "solved after T s" counts the imports too
-if __name__ == "__main__":  # start-up makes millions of objects that live all run: no collection walks them until
-    gc.disable()  # main() has built the policy (utils.freeze_start_up)
-
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,15 +63,12 @@ def unsplit(pieces, outs, whole):
     return whole
 
 
-GAP_ROWS = 4  # rows that train nothing, scored anyway so that logp_gap (batch_metrics) also sees such rows
-
-
 def score_old(policy, batch, cfg):
     """No-grad pass under the weights that sampled the batch: old_logp, the old critic's values (ppo), ref_logp (KL).
     With one update per batch and none of those it is skipped: the update's own forward gives old_logp (ratio 1). A
     batch sampled elsewhere (with sampler_logp) is always rescored: the sampler's numbers are not the trainer's
-    (--old-logp sampler is the ablation). Rows the update skips (can_skip_zero) are not scored, but for GAP_ROWS
-    of them (their old_logp is NaN); their advantages are computed here to find them."""
+    (--old-logp sampler is the ablation). Rows the update skips (can_skip_zero) are not scored (their old_logp is
+    NaN); their advantages are computed here to find them."""
     ablation = cfg.old_logp == "sampler"
     one_update = cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef
     if one_update and (batch.sampler_logp is None or ablation):
@@ -86,8 +78,7 @@ def score_old(policy, batch, cfg):
     nan = torch.zeros(batch.mask.shape)  # [N, T] what an unscored row holds: NaN, 0 on padding
     if can_skip_zero(cfg) and not (cfg.kl_coef or cfg.fsdp):  # FSDP: every rank runs the same passes
         batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
-        idle = (batch.adv == 0).all(1)  # [N]
-        skip = idle & (idle.cumsum(0) > (GAP_ROWS if batch.sampler_logp is not None else 0))
+        skip = (batch.adv == 0).all(1)  # [N]
         nan[skip] = math.nan
     rows = (~skip).nonzero()[:, 0]
     pieces = [(rows[idx], mb) for idx, mb in micro_batches(batch.rows(rows), cfg.micro_batch)]
@@ -178,21 +169,35 @@ def speed(policy, batch, split, llm, trained):
     return out
 
 
-def batch_metrics(batch, cfg):
-    """What the batch itself says: reward and its spread, lengths, truncation, zero-variance groups."""
+def batch_metrics(batch, cfg, say):
+    """What the batch itself says: reward and its spread, lengths, truncation, zero-variance groups, the sampler's
+    logprobs against the trainer's."""
     R = batch.seq_reward  # [N]
     out = {"reward": R.mean().item(), "reward_std": R.std().item() if len(R) > 1 else 0.0,
            "length": batch.mask.sum(1).mean().item(), "truncated": batch.truncated.float().mean().item()}
     if cfg.group_size > 1:  # groups that teach nothing under grpo / rloo: every sample got the same reward
         out["zero_var_groups"] = (group_stats(R, batch.group)[1] == 0).float().mean().item()
-    if batch.sampler_logp is not None:  # async: how far the sampler's logprobs are from the trainer's
-        log_w = (batch.old_logp - batch.sampler_logp).nan_to_num()  # [N, T]
-        seen = batch.mask * batch.old_logp.isfinite()  # the tokens score_old scored
-        out["logp_gap"] = masked_mean(log_w.abs(), seen).item()
-        if cfg.tis_clip:
-            out["tis_weight"] = masked_mean(log_w.exp().clamp(max=cfg.tis_clip), seen).item()
-            out["tis_clipped"] = masked_mean((log_w.exp() > cfg.tis_clip).float(), seen).item()
-    return {**out, **batch.stats}
+    return {**out, **sampler_gap(batch, cfg, say), **batch.stats}
+
+
+def sampler_gap(batch, cfg, say):
+    """A batch with the sampler's logprobs (a worker's): their mean |gap| to the trainer's over the tokens scored (none
+    when every group tied), and the TIS weights. A gap above gap_tol is said: a worker whose weights did not load
+    samples from another policy than the one the trainer scores."""
+    if batch.sampler_logp is None:
+        return {}
+    seen = batch.mask * batch.old_logp.isfinite()  # [N, T] the tokens score_old scored
+    if not seen.any():
+        return {}
+    log_w = (batch.old_logp - batch.sampler_logp).nan_to_num()  # [N, T]
+    out = {"logp_gap": masked_mean(log_w.abs(), seen).item()}
+    if out["logp_gap"] > cfg.gap_tol:
+        say(f"warning: logp_gap {out['logp_gap']:.3f} > gap_tol {cfg.gap_tol}: the sampler of version {batch.version} "
+            "does not sample what the trainer scores (a worker's weights out of sync?)")
+    if cfg.tis_clip:
+        out["tis_weight"] = masked_mean(log_w.exp().clamp(max=cfg.tis_clip), seen).item()
+        out["tis_clipped"] = masked_mean((log_w.exp() > cfg.tis_clip).float(), seen).item()
+    return out
 
 
 def setup(cfg):
@@ -252,12 +257,24 @@ def restore(ckpt_path, policy, opt, cfg):
         for k, p in mine.items():
             p.copy_(like(params[k].to(p.device), p))
     policy.publish()  # the sampler must start from the restored weights too
-    return meta["step"], meta["time_s"] - (time.time() - T0)
+    return meta["step"], meta["time_s"]
 
 
-def caveats(cfg, task):
-    """Settings under which a documented behaviour does not apply: said as the run starts (README says so too)."""
+def checkpoint(cfg, llm, policy, opt, meta):
+    """Every rank calls it: FSDP shards are gathered; rank 0 writes the checkpoint, and for an LLM the adapter in
+    PEFT format too, loadable without flatrl. -> the step saved"""
+    params = save_checkpoint(os.path.join(cfg.out, "checkpoint.safetensors"), policy.params(), opt, meta)
+    if llm and rank() == 0:
+        policy.save_adapter(os.path.join(cfg.out, "adapter"), params)
+    return meta["step"]
+
+
+def opening_lines(cfg, task, policy):
+    """What a run says as it starts: an LLM's parameter sizes, and the settings under which a documented behaviour
+    does not apply (README says so too)."""
     out = []
+    if task.llm:
+        out.append("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
     if not task.llm and cfg.algo != "ppo" and cfg.gamma >= 1:
         out.append("note: at --gamma 1 an episode cut by the time limit is not bootstrapped (its tail r_mean / "
                    "(1 - gamma) is infinite): it counts only the rewards it saw")
@@ -277,6 +294,7 @@ def results_line(cfg, log, llm):
 
 
 def main(argv=None):
+    began = time.time()  # the run's clock (time_s, "solved after"): from here, the model's loading included
     cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
     if cfg.ask and not (TASKS[cfg.task].llm and cfg.resume):
         raise SystemExit("config error: --ask answers with a trained LLM run: python train.py --resume RUN_DIR "
@@ -294,7 +312,7 @@ def main(argv=None):
         raise SystemExit(0 if ok else 1)
     opt = optimizer(policy, cfg)
     ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
-    start, t_offset = restore(ckpt_path, policy, opt, cfg) if cfg.resume else (0, 0.0)
+    start, seconds_before = restore(ckpt_path, policy, opt, cfg) if cfg.resume else (0, 0.0)
     if cfg.ask:
         print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
         return None
@@ -302,27 +320,20 @@ def main(argv=None):
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
         return run_worker(cfg, task, policy)
-    return run(cfg, task, policy, opt, start, t_offset)
+    return run(cfg, task, policy, opt, start, began - seconds_before)
 
 
-def run(cfg, task, policy, opt, start, t_offset):
+def run(cfg, task, policy, opt, start, began):
     """The loop, from step `start` to cfg.steps (or until solved), then the last checkpoint and the plot."""
-    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
+    def clock():  # seconds since the run began, resumes included (`began` is that much earlier)
+        return time.time() - began
 
-    def clock():  # seconds since the run began, resumes included
-        return time.time() - T0 + t_offset
-
-    def save(step):  # every rank: FSDP shards are gathered; rank 0 writes
-        params = save_checkpoint(ckpt_path, policy.params(), opt, {"step": step, "time_s": clock()})
-        if task.llm and rank() == 0:  # the adapter in PEFT format too, loadable without flatrl
-            policy.save_adapter(os.path.join(cfg.out, "adapter"), params)
-        return step
+    def save(step):
+        return checkpoint(cfg, task.llm, policy, opt, {"step": step, "time_s": clock()})
 
     log = Logger(cfg.out, start, cfg.steps, cfg)
-    for line in caveats(cfg, task):
+    for line in opening_lines(cfg, task, policy):
         log.say(line)
-    if task.llm:
-        log.say("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
     done, saved, interrupted = start, start if cfg.resume else None, False
     try:
@@ -356,7 +367,7 @@ def run(cfg, task, policy, opt, start, t_offset):
             timer("publish_s")
             done = step + 1
             speeds = speed(policy, batch, timer.split, task.llm, "loss" in stats)
-            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg), **stats, **timer.split, **speeds,
+            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg, log.say), **stats, **timer.split, **speeds,
                      **source.stats()}, done)
             if cfg.save_every and done % cfg.save_every == 0:
                 saved = save(done)
@@ -373,8 +384,13 @@ def run(cfg, task, policy, opt, start, t_offset):
     return policy
 
 
-if __name__ == "__main__":
-    keep_freed_memory()  # each step's big tensors reuse the last step's pages (utils)
+def as_script():
+    """`python train.py ...`: main() with the process tuning that a library caller does not get, and the exit status.
+    Start-up (imports, the model, vLLM's engine) makes millions of objects that live all run: no collection walks
+    them until main() has built the policy and moved them out of every later one (utils.freeze_start_up). Freed
+    memory stays in the process for the next step's big tensors (utils.keep_freed_memory)."""
+    gc.disable()
+    keep_freed_memory()
     try:
         main()
         status = 0
@@ -390,3 +406,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+if __name__ == "__main__":
+    as_script()

@@ -57,7 +57,6 @@ class Batch:
     last_value: torch.Tensor = None  # [N] V(final_obs) where a time limit cut the episode, else 0 (ppo)
     version: int = 0  # weights version that sampled this batch (async)
     stats: dict = dataclasses.field(default_factory=dict)  # the task's per-step metrics (accuracy, ...)
-    probe: list = None  # async LLM: the worker sampler's logprobs of the fixed sync probe (model.HFPolicy.probe)
 
     def tensors(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -373,7 +372,7 @@ def load_checkpoint(path, opt, params):
 # rest on a right-hand axis. How to read each: README "Health metrics".
 PANELS = (("reward", "eval_"), ("trained_entropy",), ("trained_approx_kl", "trained_clipfrac"), ("length", "truncated"),
           ("grad_norm",),
-          ("staleness", "probe_gap"), ("gen_mfu", "train_mfu"))
+          ("staleness", "logp_gap"), ("gen_mfu", "train_mfu"))
 
 
 # metrics.csv columns renamed since: a run resumed from before keeps one column for each

@@ -48,7 +48,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 TRL = """
 import time
-T0 = time.time()  # as train.py's clock: from the first line, imports included
+T0 = time.time()  # from the first line, imports included (train.py's clock starts in main())
 import json, sys
 sys.path.insert(0, {root!r})
 import torch

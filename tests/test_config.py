@@ -161,3 +161,11 @@ def test_every_preset_parses():
     assert len(presets) >= 10
     for path in presets:
         assert config.parse(["--config", path], CHOICES).algo in ADVANTAGES
+
+
+def test_a_config_from_before_the_probe_went_still_loads_with_a_note(tmp_path, capsys):
+    """probe_tol (the worker sync probe, replaced by gap_tol on logp_gap) is ignored, not refused: old runs resume."""
+    old = tmp_path / "config.yaml"
+    old.write_text("algo: ppo\nprobe_tol: 0.25\n")
+    assert config.parse(["--config", str(old)]).algo == "ppo"
+    assert "note: " + str(old) + ": probe_tol ignored (the worker sync probe is gone" in capsys.readouterr().err

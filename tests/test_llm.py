@@ -184,32 +184,32 @@ def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):
     assert torch.allclose(skipped, full, atol=1e-7, rtol=0)
 
 
-def test_score_old_scores_the_rows_that_train_and_a_few_more_for_logp_gap(tiny_llm, monkeypatch):
+def test_score_old_scores_only_the_rows_that_train_and_logp_gap_is_over_them(tiny_llm, monkeypatch):
     cfg = llm_cfg(tiny_llm, batch_size=16, group_size=2)  # 8 groups
     policy = HFPolicy(cfg)
     _, batch = sampled(policy, cfg)
     batch.sampler_logp = -torch.ones_like(batch.mask)  # as a worker pushes it: old_logp is rescored
     batch.rewards = torch.zeros_like(batch.mask)
     batch.rewards[0, 0] = 1.0  # group 0 varies; groups 1-7 train nothing
-
-    def scored_with(gap_rows):
-        monkeypatch.setattr(train, "GAP_ROWS", gap_rows)
-        b, seen, score = copy.deepcopy(batch), [], policy.score
-        monkeypatch.setattr(policy, "score", lambda mb, **kw: seen.append((len(mb.mask), kw)) or score(mb, **kw))
-        train.score_old(policy, b, cfg)
-        monkeypatch.setattr(policy, "score", score)
-        b.adv, _ = ADVANTAGES["grpo"](b, cfg)
-        return b, seen, updated(policy, b, cfg)
-
-    b, seen, params = scored_with(4)
-    assert sum(n for n, _ in seen) == 2 + 4 and all(kw == {"entropy": False} for _, kw in seen)  # no entropy thrown away
+    b, seen, score = copy.deepcopy(batch), [], policy.score
+    monkeypatch.setattr(policy, "score", lambda mb, **kw: seen.append((len(mb.mask), kw)) or score(mb, **kw))
+    train.score_old(policy, b, cfg)
+    monkeypatch.setattr(policy, "score", score)
+    assert sum(n for n, _ in seen) == 2 and all(kw == {"entropy": False} for _, kw in seen)  # no entropy thrown away
     scored = b.old_logp.isfinite().all(1)
-    assert scored.tolist() == [True] * 6 + [False] * 10  # group 0, then the first 4 rows that train nothing
+    assert scored.tolist() == [True] * 2 + [False] * 14  # group 0 alone
     gap = ((b.old_logp[scored] + 1).abs() * b.mask[scored]).sum() / b.mask[scored].sum()
-    assert train.batch_metrics(b, cfg)["logp_gap"] == pytest.approx(gap.item(), rel=1e-6)
-    every, seen_all, params_all = scored_with(16)
-    assert sum(n for n, _ in seen_all) == 16 and torch.equal(every.old_logp[scored], b.old_logp[scored])
-    assert torch.equal(params, params_all)  # the rows left unscored never reach the update
+    assert train.batch_metrics(b, cfg, print)["logp_gap"] == pytest.approx(gap.item(), rel=1e-6)
+    b.adv, _ = ADVANTAGES["grpo"](b, cfg)
+    every = copy.deepcopy(batch)
+    with torch.no_grad():
+        every.old_logp = policy.score(every)["logp"].cpu()
+    every.adv = b.adv
+    assert torch.equal(updated(policy, b, cfg), updated(policy, every, cfg))  # unscored rows never reach the update
+    tied = copy.deepcopy(batch)
+    tied.rewards[0, 0] = 0.0  # every group tied: nothing scored, no gap to report (not a gap of 0)
+    train.score_old(policy, tied, cfg)
+    assert "logp_gap" not in train.batch_metrics(tied, cfg, print)
 
 
 @pytest.mark.parametrize("algo,agg", [("grpo", "token_mean"), ("ppo", "seq_mean_token_sum_norm"),
@@ -532,6 +532,15 @@ def test_held_out_prompts_never_train():
         assert not held & {q for q, _ in task.train_problems(step)}
     with pytest.raises(SystemExit, match="lower --n-eval"):
         Arith(Config(task="arith", n_eval=100))  # 1-digit a + b has 81 problems
+
+
+@pytest.mark.parametrize("n_eval,left", [(81, 0), (78, 3)])
+def test_a_task_that_holds_out_nearly_everything_is_refused_at_start(n_eval, left):
+    """81 held out: train_problems drew forever (a hang); 78: every step repeated 3 problems among its 8 prompts."""
+    with pytest.raises(SystemExit, match=f"Arith has {left} distinct problems left for training after the {n_eval} "
+                                         "held out, fewer than a step's 8 prompts: lower --n-eval"):
+        Arith(Config(task="arith", n_eval=n_eval, batch_size=32, group_size=4))
+    assert len(Arith(Config(task="arith", n_eval=73, batch_size=32, group_size=4)).eval_set) == 73  # 8 left: enough
 
 
 # --- a real model -----------------------------------------------------------------------------------

@@ -395,7 +395,7 @@ def test_llm_trainer_and_worker(tiny_llm, tmp_path, lora_r):
     port = free_port()
     common = ["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", lora_r, "--lr", "0.01", "--eval-every", "0",
-              "--tis-clip", "2.0", "--connect-timeout", "60"]
+              "--tis-clip", "2.0", "--ent-coef", "0.001", "--connect-timeout", "60"]  # ent-coef: every row scored
     trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
     worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
     finish(trainer)
@@ -411,7 +411,8 @@ def test_llm_worker_runs_multi_turn_episodes(tiny_llm, tmp_path):
     port = free_port()
     common = ["--task", "arith", "--model", tiny_llm, "--algo", "rloo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "24", "--max-turns", "3", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01",
-              "--eval-every", "0", "--gen-dtype", "float32", "--no-bf16", "--connect-timeout", "60"]  # fp32 on both sides
+              "--eval-every", "0", "--gen-dtype", "float32", "--no-bf16", "--ent-coef", "0.001",
+              "--connect-timeout", "60"]  # fp32 on both sides; ent-coef: every row is scored (logp_gap on all rows)
     trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
     worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
     finish(trainer)
@@ -419,3 +420,22 @@ def test_llm_worker_runs_multi_turn_episodes(tiny_llm, tmp_path):
     trained = rows(tmp_path / "t")
     assert len(trained) == 3 and max(float(r["turns"]) for r in trained) > 1  # arith answers wrong replies
     assert all(float(r["logp_gap"]) < 1e-4 for r in trained)  # fp32 sampler: what it saw is what the trainer scores
+
+
+def test_a_worker_refuses_weights_whose_names_drifted(tmp_path, monkeypatch):
+    """A worker loads the trainer's weights with strict=False; a renamed key would have left its policy as it was."""
+    import hashlib
+    import serve
+    from safetensors.torch import save as st_save
+    cfg = Config(role="rollout", trainer_url="http://127.0.0.1:1", out=str(tmp_path)).validate()
+    task = GymTask(cfg)
+    policy = MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden)
+    sent = {k.replace("actor.0", "actor.first"): v.detach() for k, v in policy.params().items()}
+    blob = st_save(sent)
+    answers = {"/config": (200, {}, json.dumps({"fingerprint": {k: getattr(cfg, k) for k in serve.FINGERPRINT},
+                                                 "steps": 3}).encode()),
+               "/weights": (200, {"X-Flatrl-Sha256": hashlib.sha256(blob).hexdigest(), "X-Flatrl-Version": "1"}, blob)}
+    monkeypatch.setattr(serve, "call", lambda cfg, path, body=None: answers[path.split("?")[0]])
+    with pytest.raises(SystemExit, match=r"2 missing \(first: actor\.0\.bias\), 2 unexpected \(first: "
+                                         r"actor\.first\.bias\)"):  # (sorted)
+        serve.run_worker(cfg, task, policy)

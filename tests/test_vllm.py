@@ -103,32 +103,40 @@ def test_check_parity_cli_exit_code(tiny_llm):
     assert e.value.code == 1
 
 
-def test_probe_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
-    from serve import AsyncSource
-    from tasks import Arith
-    from utils import Logger
-    cfg = llm_cfg(tiny_llm, role="trainer", port=0, out=str(tmp_path), gen_dtype="float32", probe_tol=0.05)  # fp32: noise ~1e-6
+def test_logp_gap_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
+    """A worker stuck on older weights samples another policy than the trainer scores under the batch's version:
+    logp_gap says so, with a warning above gap_tol (it replaced the sync probe)."""
+    cfg = llm_cfg(tiny_llm, role="trainer", gen_dtype="float32", gap_tol=0.05)  # fp32 on both sides: noise ~1e-6
     policy, said = HFPolicy(cfg), []
-    log = Logger(str(tmp_path), 0, 1)
-    log.say = said.append
-    source = AsyncSource(Arith(cfg), policy, cfg, log, version=0)
-    stale_probe = policy.generator.score(policy.probe())[0].tolist()  # a worker stuck on version 0
+    torch.manual_seed(0)
+    stale = policy.generate(["What is 1 + 1?", "What is 2 + 5?"], n=2, record=True)[0]  # sampled by version 0
     with torch.no_grad():
         for k, p in policy.params().items():
             if "lora_B" in k:
-                p.normal_(0.0, 0.5)
-    source.publish(1)
-    good_probe = policy.generator.score(policy.probe())[0].tolist()
-    batch = policy.generate(["What is 1 + 1?"], n=2, record=True)[0]
-    for probe, version in ((good_probe, 1), (stale_probe, 1)):
-        batch.probe, batch.version = probe, version
-        with source.weights(batch):
-            pass
-    gaps = source.stats()["probe_gap"]
-    assert gaps > cfg.probe_tol and any("out of sync at version 1" in s for s in said)
-    assert source.probe_gaps == [] and len(said) == 2  # the good one passed quietly (1 line = listening)
-    source.hub.done = True
-    source.server.shutdown()
+                p.normal_(0.0, 0.5)  # the trainer's version 1
+    policy.publish()
+    good = policy.generate(["What is 1 + 1?", "What is 2 + 5?"], n=2, record=True)[0]  # a worker that synced
+    gaps = []
+    for batch in (good, stale):  # both claim version 1: scored under version 1's weights
+        batch.version, batch.rewards[:, 0] = 1, torch.tensor([1.0, 0.0, 1.0, 0.0])
+        train.score_old(policy, batch, cfg)
+        gaps.append(train.batch_metrics(batch, cfg, said.append)["logp_gap"])
+    assert gaps[0] < 1e-4 < cfg.gap_tol < gaps[1]
+    assert len(said) == 1 and "logp_gap" in said[0] and "version 1 does not sample what the trainer scores" in said[0]
+
+
+def test_published_weights_with_a_drifted_name_fail_loudly(tiny_llm, monkeypatch):
+    """Weights load with strict=False (they are part of a model); a renamed key would have loaded nothing."""
+    policy = HFPolicy(llm_cfg(tiny_llm))
+
+    def renamed(policy, merged=model.merged_weights):
+        weights = merged(policy)
+        key = next(iter(weights))
+        return {("x" + k if k == key else k): v for k, v in weights.items()}
+    monkeypatch.setattr(model, "merged_weights", renamed)
+    with pytest.raises(SystemExit, match=r"published weights do not match the model: 0 missing \(first: None\), "
+                                         r"1 unexpected \(first: xmodel\.layers\.0\.self_attn\.q_proj\.weight\)"):
+        policy.publish()  # the HF sampler
 
 
 # --- vLLM ---------------------------------------------------------------------------------------------
@@ -165,6 +173,15 @@ class TestVLLM:
         finally:
             vpolicy.generator.cfg = vpolicy.cfg
         assert check_parity(vpolicy, PROMPTS, vpolicy.cfg, print)
+
+    def test_a_drifted_weight_name_fails_loudly(self, vpolicy, monkeypatch):
+        if vpolicy.cfg.vllm_lora == "adapter":
+            pytest.skip("--vllm-lora adapter hands vLLM a PEFT folder, not names")
+        weights = model.merged_weights(vpolicy)
+        monkeypatch.setattr(model, "merged_weights", lambda p: {k.replace("q_proj", "query"): v for k, v in weights.items()})
+        with pytest.raises(SystemExit, match=r"0 missing \(first: None\), 30 unexpected \(first: model\.layers\.0\."
+                                             r"self_attn\.query\.weight\)"):
+            vpolicy.publish()
 
     def test_sampler_logprobs_use_the_trainer_temperature(self, vpolicy):
         vpolicy.generator.cfg = dataclasses.replace(vpolicy.cfg, temperature=0.7)
@@ -249,7 +266,8 @@ def test_check_parity_passes_on_every_shipped_cpu_config():
 @with_vllm
 def test_sync_and_async_training_with_vllm(tmp_path):
     common = ["--config", "configs/arith_grpo_cpu.yaml", "--batch-size", "8", "--max-new-tokens", "16", "--n-eval", "4",
-              "--eval-every", "0", "--lora-r", "8", "--vllm-max-len", "256", "--connect-timeout", "120"]
+              "--eval-every", "0", "--lora-r", "8", "--vllm-max-len", "256", "--connect-timeout", "120",
+              "--ent-coef", "0.001"]  # every row is scored: logp_gap at every step, even where every group tied
     said = finish(spawn(*common, "--generator", "vllm", "--steps", "2", "--out", str(tmp_path / "sync")), timeout=600)
     assert len(rows(tmp_path / "sync")) == 2
     port = free_port()
@@ -262,4 +280,4 @@ def test_sync_and_async_training_with_vllm(tmp_path):
     for noise in ("Failed to load weights", "were not loaded from checkpoint", "Attempted to load weight"):
         assert noise not in said and noise not in out  # vLLM's per-layer warnings at each merge reload, silenced
     trained = rows(tmp_path / "t")
-    assert len(trained) == 2 and all(float(r["probe_gap"]) < 0.1 for r in trained)
+    assert len(trained) == 2 and all(float(r["logp_gap"]) < 0.1 for r in trained)
