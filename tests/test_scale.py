@@ -153,7 +153,7 @@ def test_an_fsdp_async_trainer_and_a_worker(tiny_llm, tmp_path):
     out = finish(trainer)
     assert "training finished" in finish(worker)
     trained = rows(tmp_path / "t")
-    assert len(trained) == 3 and all(float(r["probe_gap"]) < 1e-4 for r in trained)  # fp32 worker vs gathered weights
+    assert len(trained) == 3 and all(float(r["logp_gap"]) < 1e-4 for r in trained)  # fp32 worker vs gathered weights
     assert "parameters on each of 2 rank(s)" in out
 
 
