@@ -116,6 +116,11 @@ class Expect(dict):
         self.obs_dim = None if llm else task.obs_dim
 
 
+def sent(params):
+    """What the trainer sends workers of its trainable weights: all but the value head (workers only sample)."""
+    return {k: v for k, v in params.items() if not k.startswith("value_head")}
+
+
 # --- the trainer's side ----------------------------------------------------------------------------
 
 class Hub:
@@ -275,7 +280,7 @@ class AsyncSource:
         for old in [v for v in self.snapshots if v < version - self.cfg.max_staleness]:
             del self.snapshots[old]
         wire = getattr(torch, self.wire)  # old_logp still comes from the fp32 snapshots above
-        whole = {k: full(v).detach().cpu().to(wire) for k, v in params.items() if not k.startswith("value_head")}
+        whole = {k: full(v).detach().cpu().to(wire) for k, v in sent(params).items()}
         blob = st_save(whole, metadata={"version": str(version)}) if rank() == 0 else b""  # only rank 0 serves it
         with self.hub.cond:
             self.hub.version, self.hub.blob, self.hub.sha = version, blob, hashlib.sha256(blob).hexdigest()
@@ -391,7 +396,7 @@ def run_worker(cfg, task, policy):
                 continue  # corrupted in transit: fetch again
             t = time.time()
             weights, mine = st_load(body), policy.params()
-            check_keys(weights, mine, [k for k in mine if not k.startswith("value_head")])  # what the trainer sends
+            check_keys(weights, mine, sent(mine))
             policy.load_state_dict(weights, strict=False)
             policy.publish()  # into the sampler: an HF copy, or the vLLM engine (merge + reload + cache reset)
             version, publish_s = int(headers["X-Flatrl-Version"]), time.time() - t

@@ -181,28 +181,34 @@ class LLMTask:
         self.held_keys = {q for q, _ in self.eval_set}
         self.check_training_room()
 
-    def held_out(self):
-        rng, found = random.Random(10**9), {}
-        for _ in range(1000 * self.cfg.n_eval):
-            if len(found) == self.cfg.n_eval:
-                return list(found.items())
+    def distinct(self, seed, want, exclude=frozenset()):
+        """-> {question: answer} of up to `want` distinct problems of the stream seeded `seed`, none in `exclude`: as
+        many as 1000 x want draws find."""
+        rng, found = random.Random(seed), {}
+        for _ in range(1000 * want):
+            if len(found) == want:
+                break
             q, a = self.problem(rng)
-            found.setdefault(q, a)
-        raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
-                         f"lower --n-eval (training needs the rest)")
+            if q not in exclude:
+                found.setdefault(q, a)
+        return found
+
+    def held_out(self):
+        found = self.distinct(10**9, self.cfg.n_eval)
+        if len(found) < self.cfg.n_eval:
+            raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
+                             f"lower --n-eval (training needs the rest)")
+        return list(found.items())
 
     def check_training_room(self):
         """Refuse a task that holds out (nearly) all its problems: train_problems would draw forever, or repeat a
         handful. A step's prompts need at least as many distinct problems left to train on."""
-        rng, left, want = random.Random(10**9 + 1), set(), self.cfg.batch_size // self.cfg.group_size
-        for _ in range(1000 * want):
-            q, _ = self.problem(rng)
-            if q not in self.held_keys:
-                left.add(q)
-                if len(left) == want:
-                    return
-        raise SystemExit(f"config error: {type(self).__name__} has {len(left)} distinct problems left for training "
-                         f"after the {self.cfg.n_eval} held out, fewer than a step's {want} prompts: lower --n-eval")
+        want = self.cfg.batch_size // self.cfg.group_size
+        left = self.distinct(10**9 + 1, want, self.held_keys)
+        if len(left) < want:
+            raise SystemExit(f"config error: {type(self).__name__} has {len(left)} distinct problems left for "
+                             f"training after the {self.cfg.n_eval} held out, fewer than a step's {want} prompts: "
+                             "lower --n-eval")
 
     def build_prompt(self, question):
         return question

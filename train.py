@@ -230,11 +230,17 @@ def optimizer(policy, cfg):
     embeddings (a decayed embedding shrinks the rows of rare tokens, which get no gradient to hold them)."""
     embeddings = {id(m.weight) for m in policy.modules() if isinstance(m, torch.nn.Embedding)}
     params = [p for p in policy.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-    rest = [p for p in params if p.dim() < 2 or id(p) in embeddings]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    decayed = {True: [], False: []}
+    for p in params:
+        decayed[p.dim() >= 2 and id(p) not in embeddings].append(p)
+    groups = [{"params": decayed[True], "weight_decay": cfg.weight_decay},
+              {"params": decayed[False], "weight_decay": 0.0}]
     fused = params[0].is_cuda and not cfg.fsdp
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, fused=fused)
+
+
+def checkpoint_path(cfg):
+    return os.path.join(cfg.out, "checkpoint.safetensors")
 
 
 def restore(ckpt_path, policy, opt, cfg):
@@ -263,7 +269,7 @@ def restore(ckpt_path, policy, opt, cfg):
 def checkpoint(cfg, llm, policy, opt, meta):
     """Every rank calls it: FSDP shards are gathered; rank 0 writes the checkpoint, and for an LLM the adapter in
     PEFT format too, loadable without flatrl. -> the step saved"""
-    params = save_checkpoint(os.path.join(cfg.out, "checkpoint.safetensors"), policy.params(), opt, meta)
+    params = save_checkpoint(checkpoint_path(cfg), policy.params(), opt, meta)
     if llm and rank() == 0:
         policy.save_adapter(os.path.join(cfg.out, "adapter"), params)
     return meta["step"]
@@ -311,8 +317,7 @@ def main(argv=None):
         ok = check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:8]], cfg, print)
         raise SystemExit(0 if ok else 1)
     opt = optimizer(policy, cfg)
-    ckpt_path = os.path.join(cfg.out, "checkpoint.safetensors")
-    start, seconds_before = restore(ckpt_path, policy, opt, cfg) if cfg.resume else (0, 0.0)
+    start, seconds_before = restore(checkpoint_path(cfg), policy, opt, cfg) if cfg.resume else (0, 0.0)
     if cfg.ask:
         print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
         return None
