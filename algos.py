@@ -40,8 +40,10 @@ def reinforce_baseline(b, cfg):
 
 
 def ppo(b, cfg):
-    """GAE under the OLD critic (arXiv 1506.02438), whitened; R = A + V the critic's target. LLMs: gamma = lam = 1."""
-    A, R = gae(b.rewards, b.values, b.mask, cfg.gamma, cfg.lam, b.last_value)
+    """GAE under the OLD critic (arXiv 1506.02438), whitened; R = A + V the critic's target. LLMs: gamma = lam = 1.
+    --kl-in-reward: the per-token reward r_t - kl_coef (old_logp - ref_logp), and no KL term in the loss."""
+    r = b.rewards - cfg.kl_coef * (b.old_logp - b.ref_logp) * b.mask if cfg.kl_in_reward else b.rewards  # [N, T]
+    A, R = gae(r, b.values, b.mask, cfg.gamma, cfg.lam, b.last_value)
     return whiten(A, b.mask), R
 
 
@@ -155,7 +157,7 @@ def pg_loss(logp, old_logp, adv, mask, cfg, weight=None, entropy=None, ref_logp=
     if cfg.ent_coef and entropy is not None:
         l = l - cfg.ent_coef * entropy
     kl = None
-    if cfg.kl_coef and ref_logp is not None:
+    if cfg.kl_coef and not cfg.kl_in_reward and ref_logp is not None:
         d = logp - ref_logp
         kl = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[cfg.kl_estimator]
         l = l + cfg.kl_coef * kl

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import Batch, fast_bf16, freeze_start_up, full, peak_flops, tmp_name
+from utils import Batch, fast_bf16, freeze_start_up, full, tmp_name
 
 
 def mlp(n_in, hidden, n_out):
@@ -350,22 +350,12 @@ class HFPolicy(nn.Module):
         if cfg.grad_ckpt:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lm = lm
-        tied = {id(lm.get_input_embeddings().weight), id(lm.get_output_embeddings().weight)}
-        mats = [p for p in lm.parameters() if p.dim() == 2 and id(p) not in tied]  # before FSDP shards them
-        self.n_mat, self.n_train = sum(p.numel() for p in mats), sum(p.numel() for p in mats if p.requires_grad)
-        c = lm.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        V = lm.get_output_embeddings().weight.shape[0]
-        self.dims = (c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size, V)  # L, d_attn, d, V
-        self.flops_done = 0.0  # by score() and ref_logp() since the loop last took them (train_mfu)
         self.value_head = None
         if cfg.algo == "ppo":
-            self.value_head = nn.Linear(c.hidden_size, 1).to(self.device)
+            self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device)
             nn.init.zeros_(self.value_head.weight)  # V = 0 at first: A = the plain returns
             nn.init.zeros_(self.value_head.bias)
         self.autocast = cfg.bf16 and fast_bf16(self.device)
-        dtypes = {"gen": cfg.gen_dtype, "train": "bfloat16" if self.autocast else "float32"}
-        self.peak = {k: cfg.peak_tflops * 1e12 or peak_flops(self.device, dtype) for k, dtype in dtypes.items()}
         if cfg.fsdp:
             shard(lm, self.value_head, cfg.lora_r > 0)
 
@@ -443,32 +433,7 @@ class HFPolicy(nn.Module):
         logp = zeros.masked_scatter(real, torch.cat(logps))  # [M] -> [N, T]
         return logp, zeros.masked_scatter(real, torch.cat(ents)) if entropy else None
 
-    def flops(self, batch, train=False):
-        """FLOPs of one pass over a batch's real tokens (padding is waste, not work), as forward_logits runs it. A row
-        runs S positions (its real tokens but the last), C of them predicting completion tokens:
-            forward = 2 P_mat S  +  4 L d_attn A  +  2 d V C
-        P_mat: the decoder layers' matmul weights (LoRA's included); A = S (S + 1) / 2 causal pairs (QK^T and AV in
-        each layer); 2 d V C the LM head on scored positions. A shared prompt counts once per distinct prompt (its
-        causal pairs once too: a row's own pairs with it are in its A either way).
-        Generation counts as this forward (what a KV cache computes). An update adds the backward: input gradients
-        (the matmuls again, the attention twice) and the trainable matrices' (P_train):
-            update = 2 forward  +  4 L d_attn A  +  2 P_train S"""
-        L, d_attn, d, V = self.dims
-        P = batch.attn.shape[1] - batch.mask.shape[1]
-        S, C = batch.attn.double().sum(1) - 1, batch.tokens.double().sum()  # [N], []
-        shared = self.shared_prompts(batch)
-        if shared is not None:  # every row but the first of its prompt's skips the shared prompt
-            repeat = torch.ones(len(S), dtype=torch.bool)
-            repeat[shared[0]] = False
-            p = batch.attn[:, :P - 1].double().sum(1)  # [N] positions of the shared prompt
-            S_sum, A = S.sum() - p[repeat].sum(), (S * (S + 1) / 2).sum() - (p * (p + 1) / 2)[repeat].sum()
-        else:
-            S_sum, A = S.sum(), (S * (S + 1) / 2).sum()
-        forward = 2 * self.n_mat * S_sum + 4 * L * d_attn * A + 2 * d * V * C
-        return float(2 * forward + 4 * L * d_attn * A + 2 * self.n_train * S_sum if train else forward)
-
     def score(self, batch, temperature=None, entropy=True):
-        self.flops_done += self.flops(batch, train=torch.is_grad_enabled())
         batch = batch.to(self.device)
         logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
         logp, entropy = self.token_logp(logits, batch, entropy=entropy, temperature=temperature)
@@ -478,7 +443,6 @@ class HFPolicy(nn.Module):
     @torch.no_grad()
     def ref_logp(self, batch):
         """logp of the sampled tokens under the reference policy (kl_coef > 0)."""
-        self.flops_done += self.flops(batch)
         batch = batch.to(self.device)
         with self.lm.disable_adapter() if self.ref is None else contextlib.nullcontext():  # LoRA: the base model
             return self.token_logp(self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0], batch)[0]

@@ -300,7 +300,7 @@ class LLMTask:
         right = [self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
                  for i, r in enumerate(turns)]
         batch.stats = {"accuracy": sum(right) / len(turns), "gen_s": gen_s, "gen_tok_s": lengths.sum().item() / gen_s,
-                       "gen_mfu": policy.flops(batch) / gen_s / policy.peak["gen"], **self.episode_stats(chats)}
+                       **self.episode_stats(chats)}
         if self.cfg.max_turns > 1:
             batch.stats["turns"] = sum(map(len, turns)) / len(turns)  # assistant replies per episode
         return batch

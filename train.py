@@ -24,7 +24,8 @@ from model import HFPolicy, MLPPolicy, check_parity
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, freeze_start_up, fresh_dir, full, held_mb,
-                   keep_freed_memory, like, load_checkpoint, masked_mean, rank, save_checkpoint, seed_all, world)
+                   keep_freed_memory, like, load_checkpoint, masked_mean, peak_flops, rank, save_checkpoint, seed_all,
+                   world)
 
 
 def build(cfg):
@@ -63,45 +64,51 @@ def unsplit(pieces, outs, whole):
     return whole
 
 
-def score_old(policy, batch, cfg):
-    """No-grad pass under the weights that sampled the batch: old_logp, the old critic's values (ppo), ref_logp (KL).
-    With one update per batch and none of those it is skipped: the update's own forward gives old_logp (ratio 1). A
-    batch sampled elsewhere (with sampler_logp) is always rescored: the sampler's numbers are not the trainer's
-    (--old-logp sampler is the ablation). Rows the update skips (can_skip_zero) are not scored (their old_logp is
-    NaN); their advantages are computed here to find them."""
-    ablation = cfg.old_logp == "sampler"
+def ratio_is_one(cfg, batch):
+    """With one optimizer step per batch, nothing to score beforehand (ppo's critic, a KL's reference) and a batch
+    sampled by these very weights, the update's own first forward is the old policy: the ratio is exactly 1 and no
+    scoring pass runs. A batch with the sampler's logprobs (a worker's, or --old-logp sampler) is always scored
+    apart: the sampler's numbers are not the trainer's."""
     one_update = cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef
-    if one_update and (batch.sampler_logp is None or ablation):
-        batch.old_logp = batch.sampler_logp if ablation else None
+    return one_update and batch.sampler_logp is None
+
+
+def trained_rows(batch, cfg):
+    """[N] bool: the rows whose passes can move the loss. With nothing but the policy loss in it (no KL, entropy or
+    value term), a row whose advantage is 0 on every token adds exactly 0 to loss and gradient, so neither score_old
+    nor the update runs it (the loss weights still span every row), and a minibatch with no such row on any rank
+    takes no step (Adam would move on momentum alone)."""
+    if cfg.kl_coef or cfg.ent_coef or cfg.algo == "ppo":
+        return torch.ones(len(batch.mask), dtype=torch.bool)
+    return (batch.adv != 0).any(1)
+
+
+def rows_run(batch, cfg):
+    """[N] bool: the rows score_old and the update run: those that train, or under FSDP every row (each forward is a
+    collective: every rank must run as many passes)."""
+    return torch.ones(len(batch.mask), dtype=torch.bool) if cfg.fsdp else trained_rows(batch, cfg)
+
+
+def score_old(policy, batch, cfg, rows=None):
+    """No-grad pass over `rows` ([N] bool, None: every row) under the weights that sampled the batch: old_logp, the
+    old critic's values (ppo), ref_logp (KL). Rows not scored hold 0: they train nothing. --old-logp sampler (the
+    ablation) takes the sampler's logprobs for old_logp."""
+    if cfg.old_logp == "sampler" and cfg.algo != "ppo" and not cfg.kl_coef:  # the ablation, nothing else to score
+        batch.old_logp = batch.sampler_logp
         return
-    skip = torch.zeros(len(batch.mask), dtype=torch.bool)  # [N]
-    nan = torch.zeros(batch.mask.shape)  # [N, T] what an unscored row holds: NaN, 0 on padding
-    if can_skip_zero(cfg) and not (cfg.kl_coef or cfg.fsdp):  # FSDP: every rank runs the same passes
-        batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
-        skip = (batch.adv == 0).all(1)  # [N]
-        nan[skip] = math.nan
-    rows = (~skip).nonzero()[:, 0]
-    pieces = [(rows[idx], mb) for idx, mb in micro_batches(batch.rows(rows), cfg.micro_batch)]
+    idx = torch.arange(len(batch.mask)) if rows is None else rows.nonzero()[:, 0]
+    pieces = [(idx[i], mb) for i, mb in micro_batches(batch.rows(idx), cfg.micro_batch)]
+    zeros = torch.zeros(batch.mask.shape)  # [N, T]
     with torch.no_grad():
         outs = [policy.score(mb, entropy=False) for _, mb in pieces]
         if cfg.kl_coef:
-            batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], nan)  # [N, T]
-        critic = bool(outs) and outs[0]["value"] is not None
-        if critic and batch.final_obs is not None:  # a time-limit cut bootstraps from V(final_obs) (gae)
+            batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], zeros)  # [N, T]
+        if cfg.algo == "ppo" and batch.final_obs is not None:  # a time-limit cut bootstraps from V(final_obs) (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
-    batch.old_logp = batch.sampler_logp if ablation else unsplit(pieces, [o["logp"] for o in outs], nan)
-    if critic:
-        batch.values = unsplit(pieces, [o["value"] for o in outs], nan) * batch.mask  # [N, T]
-    if cfg.kl_in_reward:  # per-token reward r_t - kl_coef * (logp - ref_logp); no KL term in the loss
-        batch.rewards = batch.rewards - cfg.kl_coef * (batch.old_logp - batch.ref_logp) * batch.mask
-        batch.ref_logp = None
-
-
-def can_skip_zero(cfg):
-    """Rows with A = 0 on every token add exactly 0 to loss and gradient when nothing else is in it (no KL, entropy
-    or value term): their passes are skipped (not under FSDP, where each forward is a collective), and a minibatch
-    with no other row on any rank takes no step (Adam would move on momentum alone). The weights span all rows."""
-    return not ((cfg.kl_coef and not cfg.kl_in_reward) or cfg.ent_coef or cfg.algo == "ppo")
+    logp = unsplit(pieces, [o["logp"] for o in outs], zeros)
+    batch.old_logp = batch.sampler_logp if cfg.old_logp == "sampler" else logp
+    if cfg.algo == "ppo":
+        batch.values = unsplit(pieces, [o["value"] for o in outs], zeros) * batch.mask  # [N, T]
 
 
 def update(policy, opt, batch, cfg, max_len):
@@ -109,6 +116,7 @@ def update(policy, opt, batch, cfg, max_len):
     micro_batch never changes the gradient. Every rank takes the same passes and decisions: a non-finite loss on
     any rank skips the step on all (none leaves early: under FSDP the others would wait in backward for it)."""
     sums, losses, norms, skipped = {}, [], [], 0
+    own_old = ratio_is_one(cfg, batch)  # old_logp is this update's own first forward
     params = [p for p in policy.parameters() if p.requires_grad]
     _, g = torch.unique(batch.group, return_inverse=True)  # minibatches shuffle whole groups
     for _ in range(cfg.epochs):
@@ -118,16 +126,13 @@ def update(policy, opt, batch, cfg, max_len):
         for rows in order.tensor_split(cfg.minibatches):  # exactly `minibatches` on every rank (chunk can give fewer)
             mb = batch.rows(rows)
             mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators
-            if can_skip_zero(cfg):
-                keep = (mb.adv != 0).any(1)  # [n]
-                if all_reduce_sum(keep.sum()) == 0:  # nothing to learn on any rank: no step anywhere
-                    continue
-                if not cfg.fsdp:
-                    mb = mb.rows(keep.nonzero()[:, 0])
+            if all_reduce_sum(trained_rows(mb, cfg).sum()) == 0:  # nothing to learn on any rank: no step anywhere
+                continue
+            mb = mb.rows(rows_run(mb, cfg).nonzero()[:, 0])
             total = 0.0
             for _, micro in micro_batches(mb, cfg.micro_batch):
                 out = policy.score(micro)
-                old = micro.old_logp if micro.old_logp is not None else out["logp"].detach()
+                old = out["logp"].detach() if own_old else micro.old_logp
                 micro = micro.to(out["logp"].device)
                 loss, stats = pg_loss(out["logp"], old, micro.adv, micro.mask, cfg, micro.weight, out["entropy"],
                                       micro.ref_logp, micro.sampler_logp)
@@ -157,16 +162,43 @@ def update(policy, opt, batch, cfg, max_len):
     return {"nonfinite": skipped, **out}
 
 
-def speed(policy, batch, split, llm, trained):
-    """Tokens/s of scoring + update and, for an LLM, MFU (HFPolicy.flops / seconds / peak); neither without a step."""
-    seconds, flops = split["score_s"] + split["update_s"], getattr(policy, "flops_done", 0.0)
-    policy.flops_done = 0.0
+def forward_flops(lm, batch):
+    """Model FLOPs of one forward over a batch's real tokens, by the standard count (Kaplan et al. 2020, arXiv
+    2001.08361; PaLM's MFU): 2 N per token for the N weights of its matrix products (LoRA's and the LM head's
+    included, the embedding lookup not), plus attention's 4 L d_attn per pair of a token and one it attends: a row
+    of S tokens has S (S + 1) / 2. A backward costs two forwards. The sampler and the trainer's tricks (a group's
+    prompt run once, rows skipped) do not change it: it counts the model's work, not the device's."""
+    c, embed = lm.config, lm.get_input_embeddings().weight
+    mats = {id(p): p.numel() for p in lm.parameters() if p.dim() >= 2 and p is not embed}  # (DTensors: whole sizes)
+    head = lm.get_output_embeddings().weight  # tied to the embedding (SmolLM2) or not: it multiplies either way
+    mats[id(head)] = head.numel()
+    S = batch.attn.double().sum(1)  # [N] real tokens per row
+    d_attn = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return float(2 * sum(mats.values()) * S.sum() + 4 * c.num_hidden_layers * d_attn * (S * (S + 1) / 2).sum())
+
+
+def speed(policy, batch, cfg, split, peaks, trained):
+    """Tokens/s of scoring + update (none without a step) and, for an LLM, the model FLOP utilization (MFU) of
+    sampling and of training: the step's forward_flops over seconds over the device's peak (`peaks`). Training runs
+    a forward and a backward per epoch over the rows that train, plus score_old's pass and the reference's."""
+    out = {}
+    if peaks and "gen_s" in batch.stats:
+        out["gen_mfu"] = forward_flops(policy.lm, batch) / batch.stats["gen_s"] / peaks["gen"]
     if not trained:
-        return {}
-    out = {"train_tok_s": batch.mask.sum().item() / seconds}
-    if llm:
-        out["train_mfu"] = flops / seconds / policy.peak["train"]
+        return out
+    seconds = split["score_s"] + split["update_s"]
+    out["train_tok_s"] = batch.mask.sum().item() / seconds
+    if peaks:
+        passes = 3 * cfg.epochs + (not ratio_is_one(cfg, batch)) + bool(cfg.kl_coef)
+        flops = passes * forward_flops(policy.lm, batch.rows(trained_rows(batch, cfg).nonzero()[:, 0]))
+        out["train_mfu"] = flops / seconds / peaks["train"]
     return out
+
+
+def mfu_peaks(cfg, policy):
+    """The device's measured matmul peak for the sampler's dtype and the trainer's (--peak-tflops overrides)."""
+    dtypes = {"gen": cfg.gen_dtype, "train": "bfloat16" if policy.autocast else "float32"}
+    return {k: cfg.peak_tflops * 1e12 or peak_flops(policy.device, dtype) for k, dtype in dtypes.items()}
 
 
 def batch_metrics(batch, cfg, say):
@@ -186,10 +218,10 @@ def sampler_gap(batch, cfg, say):
     samples from another policy than the one the trainer scores."""
     if batch.sampler_logp is None:
         return {}
-    seen = batch.mask * batch.old_logp.isfinite()  # [N, T] the tokens score_old scored
+    seen = batch.mask * rows_run(batch, cfg)[:, None]  # [N, T] the tokens score_old scored
     if not seen.any():
         return {}
-    log_w = (batch.old_logp - batch.sampler_logp).nan_to_num()  # [N, T]
+    log_w = (batch.old_logp - batch.sampler_logp) * seen  # [N, T]
     out = {"logp_gap": masked_mean(log_w.abs(), seen).item()}
     if out["logp_gap"] > cfg.gap_tol:
         say(f"warning: logp_gap {out['logp_gap']:.3f} > gap_tol {cfg.gap_tol}: the sampler of version {batch.version} "
@@ -328,6 +360,18 @@ def main(argv=None):
     return run(cfg, task, policy, opt, start, began - seconds_before)
 
 
+def evaluation(cfg, task, policy, step, start):
+    """-> ({"step": step} and, when due, the greedy held-out evaluation's metrics; solved?), one decision for every
+    rank: rank 0's. Step 0's evaluation is before any update."""
+    row = {"step": step}
+    if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
+        row.update(task.evaluate(policy, step))
+    solved = cfg.stop_when_solved and task.solved(row)
+    if world() > 1 and len(row) > 1:
+        solved = broadcast_bytes(bytes([solved]) if rank() == 0 else None) == b"\x01"
+    return row, solved
+
+
 def run(cfg, task, policy, opt, start, began):
     """The loop, from step `start` to cfg.steps (or until solved), then the last checkpoint and the plot."""
     def clock():  # seconds since the run began, resumes included (`began` is that much earlier)
@@ -340,15 +384,11 @@ def run(cfg, task, policy, opt, start, began):
     for line in opening_lines(cfg, task, policy):
         log.say(line)
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
+    peaks = mfu_peaks(cfg, policy) if task.llm else None
     done, saved, interrupted = start, start if cfg.resume else None, False
     try:
         for step in range(start, cfg.steps + 1):
-            row = {"step": step}
-            if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
-                row.update(task.evaluate(policy, step))  # greedy, held out; step 0 is before any update
-            solved = cfg.stop_when_solved and task.solved(row)
-            if world() > 1 and len(row) > 1:  # evaluated: one decision for every rank, rank 0's
-                solved = broadcast_bytes(bytes([solved]) if rank() == 0 else None) == b"\x01"
+            row, solved = evaluation(cfg, task, policy, step, start)
             if solved or step == cfg.steps:
                 log.log({**row, "time_s": clock()}, done)
                 if solved:
@@ -358,12 +398,14 @@ def run(cfg, task, policy, opt, start, began):
             timer = Timer()
             batch = source.next_batch(step)
             timer("rollout_s")
-            # 2 - advantage, under the weights that sampled the batch
+            # 2 - advantage, and the old policy's numbers under the exact weights that sampled the batch
             with source.weights(batch):
-                score_old(policy, batch, cfg)
-            timer("score_s")
-            if batch.adv is None:  # (score_old computed them where it needed them)
+                if cfg.algo == "ppo":  # GAE runs on the old critic's values: every row is scored first
+                    score_old(policy, batch, cfg)
                 batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
+                if cfg.algo != "ppo" and not ratio_is_one(cfg, batch):  # only the rows that can move the loss
+                    score_old(policy, batch, cfg, rows_run(batch, cfg))
+            timer("score_s")
             # 3 - update
             stats = update(policy, opt, batch, cfg, task.max_len)
             timer("update_s")
@@ -371,7 +413,7 @@ def run(cfg, task, policy, opt, start, began):
             source.publish(step + 1)
             timer("publish_s")
             done = step + 1
-            speeds = speed(policy, batch, timer.split, task.llm, "loss" in stats)
+            speeds = speed(policy, batch, cfg, timer.split, peaks, "loss" in stats)
             log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg, log.say), **stats, **timer.split, **speeds,
                      **source.stats()}, done)
             if cfg.save_every and done % cfg.save_every == 0:

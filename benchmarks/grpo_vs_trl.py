@@ -11,7 +11,7 @@ not need here (pass --trl-grad-ckpt for its default). flatrl samples with its HF
 are printed as well as medians: as groups start to differ (fewer zero-variance rows skipped) flatrl's
 steps grow, so a median over the first steps flatters it. For flatrl, a per-step table splits each step
 (generation, scoring + update, publishing) and sets it against its compute floor: the step's FLOPs
-(model.HFPolicy.flops) at the device's measured matmul peak.
+(train.forward_flops) at the device's measured matmul peak.
 
     pip install trl && python .ci/cache_smollm2.py
     HF_HUB_OFFLINE=1 python benchmarks/grpo_vs_trl.py --steps 12 --rounds 2 --generator hf vllm

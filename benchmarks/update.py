@@ -110,11 +110,7 @@ def main():
     today = dataclasses.replace(batch, group=torch.arange(len(batch.mask)))  # micro-batches sorted by length, as before
     prompt, done = batch.obs.shape[1] - batch.mask.shape[1], batch.mask.sum(1)
     print(f"{len(batch.mask)} rows, prompt {prompt} tokens, completions {done.mean():.1f} tokens on average "
-          f"({int(done.min())}-{int(done.max())}); FLOPs of the update, shared / whole: ", end="")
-    policy.cfg = cfg
-    shared_flops = policy.flops(batch, train=True)
-    policy.cfg = whole
-    print(f"{shared_flops / policy.flops(batch, train=True):.2f}")
+          f"({int(done.min())}-{int(done.max())})")
     res = {"shared": {"update": [], "score": []}, "whole": {"update": [], "score": []}}
     for r in range(a.rounds):  # alternate
         for name, c, b in (("shared", cfg, batch), ("whole", whole, today)):

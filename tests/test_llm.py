@@ -173,11 +173,12 @@ def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):
         p, rows = copy.deepcopy(policy), []
         score = p.score
         p.score = lambda b: rows.append(len(b.mask)) or score(b)
-        monkeypatch.setattr(train, "can_skip_zero", lambda cfg: skip)
+        if not skip:  # every row trains
+            monkeypatch.setattr(train, "trained_rows", lambda b, cfg: torch.ones(len(b.mask), dtype=torch.bool))
         train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, 8)
         return torch.cat([x.detach().flatten() for x in p.params().values()]), sum(rows)
 
-    assert train.can_skip_zero(cfg)
+    assert train.trained_rows(batch, cfg).tolist() == [True] * 4 + [False] * 4
     (skipped, n_skip), (full, n_full) = run(True), run(False)
     assert (n_skip, n_full) == (4, 8)  # the two zero-variance groups never reach the model
     assert not torch.equal(full, torch.cat([x.detach().flatten() for x in policy.params().values()]))
@@ -191,24 +192,24 @@ def test_score_old_scores_only_the_rows_that_train_and_logp_gap_is_over_them(tin
     batch.sampler_logp = -torch.ones_like(batch.mask)  # as a worker pushes it: old_logp is rescored
     batch.rewards = torch.zeros_like(batch.mask)
     batch.rewards[0, 0] = 1.0  # group 0 varies; groups 1-7 train nothing
+    batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
+    trained = train.trained_rows(batch, cfg)
+    assert trained.tolist() == [True] * 2 + [False] * 14 and not train.ratio_is_one(cfg, batch)
     b, seen, score = copy.deepcopy(batch), [], policy.score
     monkeypatch.setattr(policy, "score", lambda mb, **kw: seen.append((len(mb.mask), kw)) or score(mb, **kw))
-    train.score_old(policy, b, cfg)
+    train.score_old(policy, b, cfg, trained)
     monkeypatch.setattr(policy, "score", score)
     assert sum(n for n, _ in seen) == 2 and all(kw == {"entropy": False} for _, kw in seen)  # no entropy thrown away
-    scored = b.old_logp.isfinite().all(1)
-    assert scored.tolist() == [True] * 2 + [False] * 14  # group 0 alone
-    gap = ((b.old_logp[scored] + 1).abs() * b.mask[scored]).sum() / b.mask[scored].sum()
+    assert (b.old_logp[2:] == 0).all() and (b.old_logp[:2] * b.mask[:2]).abs().sum() > 0  # group 0 alone
+    gap = ((b.old_logp[:2] + 1).abs() * b.mask[:2]).sum() / b.mask[:2].sum()
     assert train.batch_metrics(b, cfg, print)["logp_gap"] == pytest.approx(gap.item(), rel=1e-6)
-    b.adv, _ = ADVANTAGES["grpo"](b, cfg)
     every = copy.deepcopy(batch)
-    with torch.no_grad():
-        every.old_logp = policy.score(every)["logp"].cpu()
-    every.adv = b.adv
+    train.score_old(policy, every, cfg)  # every row
+    assert torch.equal(every.old_logp[:2], b.old_logp[:2])
     assert torch.equal(updated(policy, b, cfg), updated(policy, every, cfg))  # unscored rows never reach the update
     tied = copy.deepcopy(batch)
-    tied.rewards[0, 0] = 0.0  # every group tied: nothing scored, no gap to report (not a gap of 0)
-    train.score_old(policy, tied, cfg)
+    tied.adv = torch.zeros_like(tied.mask)  # every group tied: nothing scored, no gap to report (not a gap of 0)
+    train.score_old(policy, tied, cfg, train.trained_rows(tied, cfg))
     assert "logp_gap" not in train.batch_metrics(tied, cfg, print)
 
 
@@ -241,47 +242,46 @@ def test_length_grouped_micro_batches_score_the_same_and_compute_less(tiny_llm):
     assert torch.allclose(batch.old_logp * batch.mask, whole * batch.mask, atol=1e-5, rtol=0)  # in row order
 
 
-def test_flops_count_the_real_tokens_and_match_torch_flop_counter(tiny_llm):
+def test_flops_are_the_standard_count_within_10_percent_of_torchs_counter(tiny_llm):
     from torch.utils.flop_counter import FlopCounterMode
-    policy = HFPolicy(llm_cfg(tiny_llm, peak_tflops=1.0))
-    L, d_attn, d, V = policy.dims
-    # LoRA r = 4 adds r (d_in + d_out) per matrix: q, o 32 + 32; k, v 32 + 16; gate, up 32 + 64; down 64 + 32
-    assert (L, d_attn, d, V, policy.n_train) == (2, 32, 32, 81, 2 * 4 * (2 * 64 + 2 * 48 + 3 * 96))
-    one, two = policy.to_batch([[5, 6, 7, 8, 9]], [[10, 11, 12, 13]]), policy.to_batch([[5, 6]], [[10, 1]])
+    policy = HFPolicy(llm_cfg(tiny_llm, lora_r=0))  # full fine-tuning: the backward computes every gradient
+    # N: per layer q, o 32 x 32; k, v 16 x 32; gate, up, down 64 x 32 = 9216; 2 layers + the LM head 81 x 32 = 21024
+    one = policy.to_batch([[5, 6, 7, 8, 9]], [[10, 11, 12, 13]])  # S = 9 tokens, 45 causal pairs
+    assert train.forward_flops(policy.lm, one) == 2 * 21024 * 9 + 4 * 2 * 32 * 45
+    two = policy.to_batch([[5, 6]], [[10, 1]])
     both = policy.to_batch([[5, 6, 7, 8, 9], [5, 6]], [[10, 11, 12, 13], [10, 1]])
-    assert policy.flops(both) == policy.flops(one) + policy.flops(two)  # padding is not work
-    assert policy.flops(both, train=True) == policy.flops(one, train=True) + policy.flops(two, train=True)
+    assert train.forward_flops(policy.lm, both) == train.forward_flops(policy.lm, one) + train.forward_flops(policy.lm, two)
     with FlopCounterMode(display=False) as fwd, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-        policy.score(one)
+        policy.lm(input_ids=one.obs, attention_mask=one.attn)
     with FlopCounterMode(display=False) as upd, sdpa_kernel(SDPBackend.MATH):
-        policy.score(one)["logp"].sum().backward()
-    # S = 8 positions run (the last token predicts nothing), T = 4 scored: the prompt's first 4 once, then the 4 that
-    # predict the completion on its cache. The counter sees the matmuls, one more LM head row (the prompt pass's),
-    # and the attention as SDPA's math backend runs it (the counter sees its matmuls: every query times every key, the
-    # causal ones masked: 4 L d_attn (4 x 4 + 4 x 8)); ours counts the causal pairs, 4 L d_attn S (S + 1) / 2.
-    attention_run, attention_ours = 4 * L * d_attn * (4 * 4 + 4 * 8), 2 * L * d_attn * 8 * 9
-    assert policy.flops(one) == fwd.get_total_flops() - 2 * d * V - attention_run + attention_ours
-    # The update's formula also counts input gradients for the first layer's projections, which autograd
-    # skips (their input needs none): within 10% on this 2-layer model, less on deeper ones.
-    ratio = policy.flops(one, train=True) / (upd.get_total_flops() - 4 * d * V - 3 * attention_run + 3 * attention_ours)
-    assert 1.0 <= ratio < 1.1
-    assert policy.flops_done == policy.flops(one) + policy.flops(one, train=True)  # score() counts what it runs
+        policy.lm(input_ids=one.obs, attention_mask=one.attn).logits.sum().backward()
+    # the counter sees attention as SDPA's math backend runs it (every query times every key, 81 pairs, not 45)
+    assert 0.9 < train.forward_flops(policy.lm, one) / fwd.get_total_flops() <= 1.0
+    assert 0.9 < 3 * train.forward_flops(policy.lm, one) / upd.get_total_flops() < 1.1
+    lora = HFPolicy(llm_cfg(tiny_llm, group_size=2))  # LoRA r = 4 adds r (d_in + d_out) a matrix: 2 x 4 x 512
+    shared = lora.to_batch([[5, 6, 7, 8, 9]] * 2, [[10, 11, 12, 13], [14, 15, 16, 1]], n=2)
+    assert train.forward_flops(lora.lm, shared) == 2 * (2 * (21024 + 2 * 4 * 512) * 9 + 4 * 2 * 32 * 45)  # per row
 
 
-def test_a_shared_prompt_is_counted_once(tiny_llm):
-    from torch.utils.flop_counter import FlopCounterMode
-    policy = HFPolicy(llm_cfg(tiny_llm, group_size=2))
-    L, d_attn, d, V = policy.dims
-    batch = policy.to_batch([[5, 6, 7, 8, 9]] * 2, [[10, 11, 12, 13], [14, 15, 16, 1]], n=2)  # no padding anywhere
-    with FlopCounterMode(display=False) as fwd, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
-        policy.score(batch)
-    # prompt pass: p = 4 positions, 1 LM head row; rows: 4 positions each on top of it. 12 positions in all
-    # (16 unshared); causal pairs 2 x 36 - 10 (the prompt's p (p + 1) / 2 once less) = 62. The counter sees the
-    # attention as run (test above): 4 x 4 query-key pairs in the prompt pass, 2 x 4 x 8 in the rows' pass.
-    ours = fwd.get_total_flops() - 2 * d * V - 4 * L * d_attn * (16 + 64) + 4 * L * d_attn * 62
-    assert policy.flops(batch) == ours
-    policy.cfg = dataclasses.replace(policy.cfg, group_size=1)  # every row whole
-    assert policy.flops(batch) == ours + 2 * policy.n_mat * 4 + 4 * L * d_attn * 10  # + the prompt's second run
+def test_mfu_is_the_steps_flops_over_seconds_over_peak(tiny_llm, tmp_path):
+    cfg = llm_cfg(tiny_llm, peak_tflops=2.0)
+    policy = HFPolicy(cfg)
+    assert train.mfu_peaks(cfg, policy) == {"gen": 2e12, "train": 2e12}
+    batch = policy.to_batch([[5, 6], [5, 6]], [[10, 11, 1], [12, 1]], n=2)
+    batch.adv, batch.stats = torch.tensor([[1.0, 1, 1], [-1, -1, 0]]), {"gen_s": 0.25}
+    flops, peaks = train.forward_flops(policy.lm, batch), {"gen": 2e12, "train": 4e12}
+    out = train.speed(policy, batch, cfg, {"score_s": 0.5, "update_s": 1.0}, peaks, trained=True)
+    # one update per batch, sampled here: the update's forward and backward alone (3 passes)
+    assert out == {"gen_mfu": flops / 0.25 / 2e12, "train_tok_s": 5 / 1.5, "train_mfu": 3 * flops / 1.5 / 4e12}
+    two = train.speed(policy, batch, dataclasses.replace(cfg, epochs=2), {"score_s": 0.5, "update_s": 1.0}, peaks, True)
+    assert two["train_mfu"] == (2 * 3 + 1) * flops / 1.5 / 4e12  # two epochs and score_old's pass
+    assert train.speed(policy, batch, cfg, {"score_s": 0.5, "update_s": 1.0}, peaks, trained=False) == {
+        "gen_mfu": flops / 0.25 / 2e12}  # a step that took no optimizer step: no training figures
+    from utils import peak_flops
+    rng = torch.get_rng_state()
+    first = peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json"))  # measured, then read back
+    assert first > 1e9 and peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json")) == first
+    assert torch.equal(torch.get_rng_state(), rng)  # measuring must not change what a seeded run samples
 
 
 def scores_and_grads(policy, batch, cfg):
@@ -346,23 +346,6 @@ def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora
         assert torch.allclose(shared[k], whole[k], atol=2e-5, rtol=0), k
     assert shared["value"].abs().sum() > 0 if algo == "ppo" else True
     assert g_shared.abs().max() > 0 and torch.allclose(g_shared, g_whole, atol=2e-5, rtol=1e-4)
-
-
-def test_train_mfu_is_counted_flops_over_seconds_over_peak(tiny_llm, tmp_path):
-    policy = HFPolicy(llm_cfg(tiny_llm, peak_tflops=2.0))
-    assert policy.peak == {"gen": 2e12, "train": 2e12}
-    policy.flops_done = 3e12
-    batch = policy.to_batch([[5, 6]], [[10, 11, 1]])
-    out = train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True, trained=True)
-    assert out == {"train_tok_s": 3 / 1.5, "train_mfu": 3e12 / 1.5 / 2e12} and policy.flops_done == 0.0
-    policy.flops_done = 3e12  # a step that took no optimizer step: blanks, and its FLOPs do not leak into the next
-    assert train.speed(policy, batch, {"score_s": 0.5, "update_s": 1.0}, llm=True, trained=False) == {}
-    assert policy.flops_done == 0.0
-    from utils import peak_flops
-    rng = torch.get_rng_state()
-    first = peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json"))  # measured, then read back
-    assert first > 1e9 and peak_flops("cpu", "float32", cache=str(tmp_path / "peak.json")) == first
-    assert torch.equal(torch.get_rng_state(), rng)  # measuring must not change what a seeded run samples
 
 
 def _rank_main(r, port, cfg, batch_file, out_file):

@@ -370,6 +370,7 @@ def optimizer_steps(batch, cfg):
     opt, calls = torch.optim.SGD(policy.parameters(), lr=0.1), []
     step = opt.step
     opt.step = lambda: calls.append(1) or step()
+    train.score_old(policy, batch, cfg)  # as the loop does: two epochs need the old logprobs
     train.update(policy, opt, batch, cfg, 500)
     return len(calls)
 
