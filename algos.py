@@ -13,9 +13,9 @@ def returns_to_go(b, cfg):
     """G_t = sum_{s>=t} gamma^(s-t) r_s. A control episode cut by a time limit did not end: the steps it would have
     gone on for are added at its own mean reward, + gamma^(L-t) r_mean / (1 - gamma) (partial-episode bootstrapping,
     arXiv 1712.00378). Without it a CartPole episode at the limit says its last ~100 actions were its worst, and a
-    solved policy drifts (README "CartPole that stays solved")."""
+    solved policy drifts (benchmarks/README.md "CartPole that stays solved")."""
     G = discounted_cumsum(b.rewards, b.mask, cfg.gamma)  # [N, T]
-    if b.final_obs is None or cfg.gamma >= 1:  # LLM tasks: a reply cut at the token limit is just cut
+    if b.final_obs is None or cfg.gamma >= 1:  # LLM: a reply cut at the token limit is just cut; gamma 1: no tail
         return G
     L = b.mask.sum(1, keepdim=True)  # [N, 1]
     tail = b.truncated[:, None] * (b.seq_reward[:, None] / L.clamp(min=1)) / (1 - cfg.gamma)  # [N, 1]
@@ -48,16 +48,17 @@ def ppo(b, cfg):
 
 
 def group_stats(R, group):
-    """-> (R - group mean, unbiased group std, group size), each [N] for samples sharing a group id.
-    A group whose rewards are all equal gets exactly 0 (not float dust like 1e-17 / eps)."""
-    _, idx, count = torch.unique(group, return_inverse=True, return_counts=True)
-    empty = R.new_zeros(len(count))
-    mean = empty.index_add(0, idx, R) / count
-    spread = (empty.scatter_reduce(0, idx, R, "amax", include_self=False)
-              - empty.scatter_reduce(0, idx, R, "amin", include_self=False))
-    centered = torch.where(spread[idx] > 0, R - mean[idx], 0.0)
-    std = (empty.index_add(0, idx, centered**2) / (count - 1).clamp(min=1)).sqrt()
-    return centered, std[idx], count[idx]
+    """-> (R - group mean, unbiased group std, group size), each [N], over a [groups, group_size] view: a batch's
+    groups are whole, equal and contiguous (tasks build them so, serve.unpack_batch checks a worker's, torchrun ranks
+    take whole groups). A group whose rewards are all equal gets exactly 0 (not float dust like 1e-17 / eps)."""
+    G = int((group == group[0]).sum())  # group size
+    assert len(R) % G == 0 and (group.view(-1, G) == group.view(-1, G)[:, :1]).all(), \
+        f"groups must be whole, equal and contiguous (rows i G .. i G + G - 1 share an id); got {group.tolist()}"
+    R = R.view(-1, G)  # [groups, G]
+    spread = R.amax(1, keepdim=True) - R.amin(1, keepdim=True)
+    centered = torch.where(spread > 0, R - R.mean(1, keepdim=True), 0.0)
+    std = ((centered**2).sum(1, keepdim=True) / max(G - 1, 1)).sqrt().expand(-1, G)
+    return centered.flatten(), std.flatten(), torch.full((len(group),), G)
 
 
 def grpo(b, cfg):
@@ -90,7 +91,9 @@ def turn_credit(b, cfg):
     """--credit turn, group estimators: A = G_ik - mean of G_jk over the OTHER episodes j of i's group that
     reached reply k (no other did: baseline 0), on every token of reply k. Leaving episode i out keeps the
     estimate unbiased though the policy decides which episodes reach reply k: the baseline then depends
-    on no action of episode i (README "Per-turn credit"; tested by Monte Carlo against the exact gradient)."""
+    on no action of episode i (README "Per-turn credit"; tested by Monte Carlo against the exact gradient).
+    A group of three, discount 1: returns per reply [1, 1], [0, 0] and [1] (one reply) -> reply 0: A = 1 - (0 + 1) / 2
+    = .5, 0 - (1 + 1) / 2 = -1, 1 - (1 + 0) / 2 = .5; reply 1, reached by the first two only: 1 - 0 = 1, 0 - 1 = -1."""
     G, k = reply_returns(b, cfg)  # [N, T] each
     K, real = int(k.max()) + 1, b.mask > 0
     slot = torch.where(real, k, K)  # [N, T]; padding and environment tokens land in a spare column K

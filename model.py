@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import Batch, fast_bf16, freeze_start_up, full, tmp_name
+from utils import Batch, fast_bf16, freeze_start_up, tmp_name, unshard
 
 
 def mlp(n_in, hidden, n_out):
@@ -85,7 +85,7 @@ def expanded(cache, rows):
     return cache
 
 
-# --- speed tricks that earn their place: each worth over 5% of a CPU preset's step (benchmarks/README.md) -------
+# --- speed tricks, each kept for what it saves (benchmarks/README.md "Speed tricks") --------------------------
 
 RUN_COST = {"cpu": 128}  # runs(): one more pass counted as this many positions of work (a GPU runs one pass)
 
@@ -112,18 +112,18 @@ def runs(lengths, prompt, cost):
 @torch.no_grad()
 def merged_weights(policy):
     """Checkpoint name -> the sampler's weight in gen_dtype: W + scale * B A for each module LoRA adapts, plus the rest
-    of its fused group (vLLM holds q/k/v as one tensor: reloading q alone gave it other logprobs); full FT: all."""
+    of its fused group (vLLM holds q/k/v and gate/up as one tensor each, so a group is sent whole); full FT: all."""
     dtype = getattr(torch, policy.cfg.gen_dtype)
     if policy.cfg.lora_r == 0:
-        return {k: full(v).to(dtype) for k, v in policy.lm.state_dict().items()}
+        return {k: unshard(v).to(dtype) for k, v in policy.lm.state_dict().items()}
 
     def adapted(m):
         return hasattr(m, "lora_A") and "default" in m.lora_A
 
     def weight(m):  # [out, in], whole (gathered from every rank under FSDP)
         if not adapted(m):
-            return full(m.weight).to(dtype)
-        W, B, A = (full(w) for w in (m.base_layer.weight, m.lora_B["default"].weight, m.lora_A["default"].weight))
+            return unshard(m.weight).to(dtype)
+        W, B, A = (unshard(w) for w in (m.base_layer.weight, m.lora_B["default"].weight, m.lora_A["default"].weight))
         return torch.addmm(W, B, A, alpha=m.scaling["default"]).to(dtype)  # W + scale B A, one fused op
 
     modules, out = dict(policy.lm.named_modules()), {}
@@ -322,6 +322,59 @@ def shard(lm, value_head, lora):
             m.set_force_sum_reduction_for_comms(True)
 
 
+def stop_and_pad(lm, tok):
+    """-> (the ids a reply stops on: the model's generation config's and the tokenizer's eos; the padding id)."""
+    eos = lm.generation_config.eos_token_id
+    stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), tok.eos_token_id} - {None})
+    return stop_ids, tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
+
+
+def sampler(cfg, lm, stop_ids, pad_id):
+    """--generator: flatrl's decode loop on a copy of lm, or vLLM (told the checkpoint's names, to check published
+    weights against)."""
+    if cfg.generator == "hf":
+        return HFGenerator(lm, cfg, stop_ids, pad_id)
+    return VLLMGenerator(cfg, stop_ids, set(lm.state_dict()))
+
+
+def value_head(hidden_size, device):
+    """ppo's critic on the final hidden states: V = 0 at first, so the first advantages are the plain returns."""
+    head = nn.Linear(hidden_size, 1).to(device)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def shared_prompts(batch, cfg):
+    """-> (the first row of each distinct prompt [U], which prompt each row has [N]), or None where prompts are not
+    shared (group_size 1; gradient checkpointing drops the cache). Decided by the config: FSDP ranks agree."""
+    P = batch.obs.shape[1] - batch.mask.shape[1]
+    if cfg.group_size < 2 or cfg.grad_ckpt or P < 2:
+        return None
+    prompts = torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1)  # all but each prompt's last token
+    _, inv = torch.unique(prompts, dim=0, return_inverse=True)
+    rows = torch.arange(len(inv), device=inv.device)  # (on the device when score() has moved the batch there)
+    first = torch.full((int(inv.max()) + 1,), len(inv), device=inv.device).scatter_reduce(0, inv, rows, "amin")
+    return first, inv
+
+
+def token_logp(logits, batch, temperature, entropy=False, entropy_grad=False):
+    """log softmax(logits / temperature) at the sampled tokens, for forward_logits' [M, V], chunked so that no second
+    full-vocab fp32 copy of them is ever held. -> logp [N, T], entropy [N, T] or None (0 at padding); the entropy
+    carries a gradient only with entropy_grad (an entropy bonus in the loss)."""
+    real, t = batch.tokens, temperature  # [N, T]
+    logps, ents = [], []
+    for z, a in zip(logits.split(4096), batch.actions[real].split(4096)):  # views, [m, V] and [m]
+        lsm = torch.log_softmax(z.float() / t if t != 1 else z.float(), -1)  # [m, V]
+        logps.append(lsm.gather(-1, a[:, None])[:, 0])
+        if entropy:  # H = -sum(p log p)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                ents.append(-torch.linalg.vecdot(lsm.exp(), lsm))
+    zeros = torch.zeros(real.shape, device=logits.device)
+    logp = zeros.masked_scatter(real, torch.cat(logps))  # [M] -> [N, T]
+    return logp, zeros.masked_scatter(real, torch.cat(ents)) if entropy else None
+
+
 class HFPolicy(nn.Module):
     """Any Hugging Face causal LM, with LoRA through PEFT (lora_r > 0) or fully fine-tuned (lora_r = 0). Weights
     stay fp32; forward and backward run under bf16 autocast where the device has fast bf16, unless --no-bf16.
@@ -335,13 +388,8 @@ class HFPolicy(nn.Module):
         self.tok, lm = load(cfg, self.device)
         if cfg.gen_dtype == "auto":  # resolved once, here, for the generator and the wire (serve.py) alike
             cfg.gen_dtype = "bfloat16" if fast_bf16(self.device) else "float32"
-        eos = lm.generation_config.eos_token_id  # stop on these and on the tokenizer's eos
-        self.stop_ids = sorted({*([eos] if isinstance(eos, int) else eos or []), self.tok.eos_token_id} - {None})
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
-        if cfg.generator == "hf":
-            self.generator = HFGenerator(lm, cfg, self.stop_ids, self.pad_id)  # a copy, before LoRA wraps lm
-        else:
-            self.generator = VLLMGenerator(cfg, self.stop_ids, set(lm.state_dict()))
+        self.stop_ids, self.pad_id = stop_and_pad(lm, self.tok)
+        self.generator = sampler(cfg, lm, self.stop_ids, self.pad_id)  # before LoRA wraps lm
         self.ref = None
         if cfg.lora_r > 0:
             lm = with_lora(lm, cfg)
@@ -350,11 +398,7 @@ class HFPolicy(nn.Module):
         if cfg.grad_ckpt:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lm = lm
-        self.value_head = None
-        if cfg.algo == "ppo":
-            self.value_head = nn.Linear(lm.config.hidden_size, 1).to(self.device)
-            nn.init.zeros_(self.value_head.weight)  # V = 0 at first: A = the plain returns
-            nn.init.zeros_(self.value_head.bias)
+        self.value_head = value_head(lm.config.hidden_size, self.device) if cfg.algo == "ppo" else None
         self.autocast = cfg.bf16 and fast_bf16(self.device)
         if cfg.fsdp:
             shard(lm, self.value_head, cfg.lora_r > 0)
@@ -372,18 +416,6 @@ class HFPolicy(nn.Module):
         text = self.tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=prompt_next)
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def shared_prompts(self, batch):
-        """-> (the first row of each distinct prompt [U], which prompt each row has [N]), or None where prompts are
-        not shared (group_size 1; gradient checkpointing drops the cache). Decided by the config: FSDP ranks agree."""
-        P = batch.obs.shape[1] - batch.mask.shape[1]
-        if self.cfg.group_size < 2 or self.cfg.grad_ckpt or P < 2:
-            return None
-        prompts = torch.cat([batch.obs[:, :P - 1], batch.attn[:, :P - 1].long()], 1)  # all but each prompt's last token
-        _, inv = torch.unique(prompts, dim=0, return_inverse=True)
-        rows = torch.arange(len(inv), device=inv.device)  # (on the device when score() has moved the batch there)
-        first = torch.full((int(inv.max()) + 1,), len(inv), device=inv.device).scatter_reduce(0, inv, rows, "amin")
-        return first, inv
-
     def forward_logits(self, lm, batch, hidden=False):
         """Logits at the completions' real tokens [M, V] (padding never reaches the log-softmax), and the final hidden
         states at the T positions that predict the completion [N, T, H]. Each distinct prompt (all but its last
@@ -392,7 +424,7 @@ class HFPolicy(nn.Module):
         neighbours, each cut to its longest completion (runs())."""
         T, P = batch.actions.shape[1], batch.obs.shape[1] - batch.actions.shape[1]
         pos = (batch.attn.cumsum(-1) - 1).clamp(min=0).long()  # as generate() numbers left-padded rows
-        shared, prompt, tie, tokens = self.shared_prompts(batch), None, 0.0, batch.tokens
+        shared, prompt, tie, tokens = shared_prompts(batch, self.cfg), None, 0.0, batch.tokens
         lengths = tokens.sum(1).tolist()  # [N]
         spans = [(0, len(lengths))]  # one run: on a GPU, and under FSDP, where every rank must run the same passes
         if not self.cfg.fsdp and self.device.type in RUN_COST:
@@ -418,25 +450,10 @@ class HFPolicy(nn.Module):
                     states.append(F.pad(out.hidden_states[-1][:, -t:], (0, 0, 0, T - t)))
         return torch.cat(logits) + tie, torch.cat(states) if hidden else None
 
-    def token_logp(self, logits, batch, entropy=False, temperature=None):
-        """log softmax(logits / temperature) at the sampled tokens, for forward_logits' [M, V], chunked so that no
-        second full-vocab fp32 copy of them is ever held. -> logp [N, T], entropy [N, T] or None (0 at padding)"""
-        real, t = batch.tokens, temperature or self.cfg.temperature  # [N, T]
-        logps, ents = [], []
-        for z, a in zip(logits.split(4096), batch.actions[real].split(4096)):  # views, [m, V] and [m]
-            lsm = torch.log_softmax(z.float() / t if t != 1 else z.float(), -1)  # [m, V]
-            logps.append(lsm.gather(-1, a[:, None])[:, 0])
-            if entropy:  # H = -sum(p log p); with grad only when the loss has an entropy bonus
-                with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.cfg.ent_coef)):
-                    ents.append(-torch.linalg.vecdot(lsm.exp(), lsm))
-        zeros = torch.zeros(real.shape, device=logits.device)
-        logp = zeros.masked_scatter(real, torch.cat(logps))  # [M] -> [N, T]
-        return logp, zeros.masked_scatter(real, torch.cat(ents)) if entropy else None
-
     def score(self, batch, temperature=None, entropy=True):
         batch = batch.to(self.device)
         logits, hidden = self.forward_logits(self.lm, batch, hidden=self.value_head is not None)
-        logp, entropy = self.token_logp(logits, batch, entropy=entropy, temperature=temperature)
+        logp, entropy = token_logp(logits, batch, temperature or self.cfg.temperature, entropy, bool(self.cfg.ent_coef))
         value = self.value_head(hidden.float())[..., 0] if hidden is not None else None
         return {"logp": logp, "entropy": entropy, "value": value}
 
@@ -445,7 +462,8 @@ class HFPolicy(nn.Module):
         """logp of the sampled tokens under the reference policy (kl_coef > 0)."""
         batch = batch.to(self.device)
         with self.lm.disable_adapter() if self.ref is None else contextlib.nullcontext():  # LoRA: the base model
-            return self.token_logp(self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0], batch)[0]
+            logits = self.forward_logits(self.ref[0] if self.ref else self.lm, batch)[0]
+            return token_logp(logits, batch, self.cfg.temperature)[0]
 
     def sample(self, seqs, n, greedy=False, record=None, max_new=None):
         """Token id lists -> (n continuations of each; their sampler logprobs, recorded by rollout workers, or None)."""
@@ -498,15 +516,16 @@ class HFPolicy(nn.Module):
     def params(self):
         return {k: v for k, v in self.named_parameters() if v.requires_grad}
 
-    def save_adapter(self, path, params):
-        """The adapter in PEFT format (full FT: the model) from the whole `params` (save_checkpoint's; never FSDP
-        shards), written to a temporary folder, then swapped in: a kill mid-save leaves the previous one."""
-        whole = {k.removeprefix("lm."): v for k, v in params.items() if k.startswith("lm.")}
-        lora = {"save_embedding_layers": False} if self.cfg.lora_r else {}
-        self.lm.save_pretrained(tmp_name(path), state_dict=whole, **lora)
-        self.tok.save_pretrained(tmp_name(path))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp_name(path), path)
+
+def save_adapter(policy, path, params):
+    """The adapter in PEFT format (full FT: the model) and the tokenizer, from the whole `params` (save_checkpoint's;
+    never FSDP shards), written to a temporary folder, then swapped in: a kill mid-save leaves the previous one."""
+    whole = {k.removeprefix("lm."): v for k, v in params.items() if k.startswith("lm.")}
+    lora = {"save_embedding_layers": False} if policy.cfg.lora_r else {}
+    policy.lm.save_pretrained(tmp_name(path), state_dict=whole, **lora)
+    policy.tok.save_pretrained(tmp_name(path))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp_name(path), path)
 
 
 def local_copy(model):
@@ -532,7 +551,7 @@ def check_parity(policy, prompts, cfg, say):
     p1, p50, p99 = torch.quantile(delta.exp(), torch.tensor([0.01, 0.5, 0.99])).tolist()
     fp32 = cfg.gen_dtype == "float32" and not policy.autocast
     tol = cfg.parity_tol or (1e-3 if fp32 else 0.1)
-    why = "fp32 sampler and trainer" if fp32 else "bf16 in use: 0.03-0.05 from rounding alone, measured"
+    why = "fp32 sampler and trainer" if fp32 else "bf16 in use: its rounding alone moves logprobs by a few hundredths"
     why = "--parity-tol" if cfg.parity_tol else why
     ok = delta.abs().mean().item() <= tol
     say(f"parity {cfg.generator} ({cfg.gen_dtype}) vs trainer ({'bf16 autocast' if policy.autocast else 'fp32'}) over "

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from model import check_keys, check_parity
-from utils import Batch, Logger, broadcast_bytes, full, rank, sharded, world
+from utils import Batch, Logger, broadcast_bytes, rank, sharded, unshard, world
 
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
 
@@ -88,6 +88,8 @@ def unpack_batch(body, cfg, expect):
     _, counts = torch.unique(b.group, return_counts=True)
     if (counts != cfg.group_size).any():
         raise ValueError(f"every group must have group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
+    if (b.group.view(-1, cfg.group_size) != b.group.view(-1, cfg.group_size)[:, :1]).any():
+        raise ValueError("a group's samples must be adjacent rows (rows i G .. i G + G - 1 share a group id)")
     if any(x.min() < 0 or x.max() >= expect.limit for x in ((b.actions, b.obs) if llm else (b.actions,))):
         raise ValueError(f"actions and token ids must lie in [0, {expect.limit})")
     if llm and (b.attn.shape != b.obs.shape or not torch.equal(b.obs[:, -T:], b.actions)):
@@ -280,7 +282,7 @@ class AsyncSource:
         for old in [v for v in self.snapshots if v < version - self.cfg.max_staleness]:
             del self.snapshots[old]
         wire = getattr(torch, self.wire)  # old_logp still comes from the fp32 snapshots above
-        whole = {k: full(v).detach().cpu().to(wire) for k, v in sent(params).items()}
+        whole = {k: unshard(v).detach().cpu().to(wire) for k, v in sent(params).items()}
         blob = st_save(whole, metadata={"version": str(version)}) if rank() == 0 else b""  # only rank 0 serves it
         with self.hub.cond:
             self.hub.version, self.hub.blob, self.hub.sha = version, blob, hashlib.sha256(blob).hexdigest()

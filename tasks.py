@@ -252,25 +252,25 @@ class LLMTask:
         -> (Batch, each episode's chat after the prompt as [{"role": ..., "content": ...}, ...])"""
         cfg, cap = self.cfg, self.cfg.max_episode_tokens or sys.maxsize
         prompts = [policy.prompt_ids(self.build_prompt(q), self.tools) for q, _ in problems]
-        of = [i for i in range(len(problems)) for _ in range(n)]  # episode -> its problem
-        tails, masks, logps, chats = ([[] for _ in of] for _ in range(4))
-        cut, live = [False] * len(of), list(range(len(of)))
+        problem_of = [i for i in range(len(problems)) for _ in range(n)]  # episode -> its problem
+        tails, masks, logps, chats = ([[] for _ in problem_of] for _ in range(4))
+        cut, live = [False] * len(problem_of), list(range(len(problem_of)))  # live: the episodes going on
 
         def add(e, ids, trained, lp):
             tails[e], masks[e], logps[e] = tails[e] + ids, masks[e] + [trained] * len(ids), logps[e] + lp[:len(ids)]
 
         for turn in range(cfg.max_turns):
-            seqs = prompts if turn == 0 else [prompts[of[e]] + tails[e] for e in live]
+            seqs = prompts if turn == 0 else [prompts[problem_of[e]] + tails[e] for e in live]
             budget = min(cfg.max_new_tokens, max(cap - len(tails[e]) for e in live))
-            sampled, lps = policy.sample(seqs, n if turn == 0 else 1, greedy, max_new=budget)
-            for e, ids, lp in zip(live, sampled, lps or [[]] * len(live)):
+            sampled, sampler_logps = policy.sample(seqs, n if turn == 0 else 1, greedy, max_new=budget)
+            for e, ids, lp in zip(live, sampled, sampler_logps or [[]] * len(live)):
                 ids = ids[:cap - len(tails[e])]
                 cut[e] = not policy.ended(ids)  # cut at max_new_tokens or at the episode cap
                 add(e, ids, 1, lp)
                 chats[e].append({"role": "assistant", "content": policy.tok.decode(ids, skip_special_tokens=True)})
-            still = []
+            going_on = []
             for e in live:
-                q, a = problems[of[e]]
+                q, a = problems[problem_of[e]]
                 said = None if cut[e] or turn + 1 == cfg.max_turns else self.env_response(q, a, replies(chats[e]))
                 if said is not None:  # a user message, or {"role": "tool", "content": ...}
                     said = said if isinstance(said, dict) else {"role": "user", "content": said}
@@ -279,10 +279,12 @@ class LLMTask:
                     if not cut[e]:
                         add(e, env, 0, [0.0] * len(env))
                         chats[e].append(said)
-                        still.append(e)
-            if not (live := still):
+                        going_on.append(e)
+            live = going_on
+            if not live:
                 break
-        batch = policy.to_batch([prompts[i] for i in of], tails, masks, logps if lps is not None else None, cut, n)
+        batch = policy.to_batch([prompts[i] for i in problem_of], tails, masks,
+                                logps if sampler_logps is not None else None, cut, n)
         return batch, chats
 
     def rollout(self, policy, step):
@@ -486,7 +488,8 @@ def calculator(expression: str) -> str:
 
 class Calc(ToolTask):
     """'What is 347 * 28?': too hard for SmolLM2-135M alone, easy with the calculator. The prompt is a worked example
-    (an addition), then the question (told in words only, SmolLM2 rarely called it). --max-tool-calls 0: no tool."""
+    (an addition, which shows the call's form: a tool named in words alone goes uncalled), then the question.
+    --max-tool-calls 0: no tool."""
     tools = [calculator]
 
     def problem(self, rng):
@@ -568,4 +571,4 @@ class DataTask(LLMTask):
 
 
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc, "data": DataTask,
-         "jsonl": DataTask}  # jsonl: the data task's former name
+         "jsonl": DataTask}  # jsonl: data's other name, which older configs use

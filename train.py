@@ -20,12 +20,12 @@ from safetensors import safe_open
 
 import config as config_lib
 from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, value_loss
-from model import HFPolicy, MLPPolicy, check_parity
+from model import HFPolicy, MLPPolicy, check_parity, save_adapter
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, freeze_start_up, fresh_dir, full, held_mb,
-                   keep_freed_memory, like, load_checkpoint, masked_mean, peak_flops, rank, save_checkpoint, seed_all,
-                   world)
+from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, freeze_start_up, fresh_dir, held_mb,
+                   keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank, reshard, save_checkpoint,
+                   seed_all, unshard, world)
 
 
 def build(cfg):
@@ -147,7 +147,7 @@ def update(policy, opt, batch, cfg, max_len):
                     p.grad = all_reduce_sum(torch.zeros_like(p) if p.grad is None else p.grad)
             if world() > 1:  # one rank's NaN skips the step everywhere
                 total = all_reduce_sum(torch.tensor(total)).item()
-            norm = full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
+            norm = unshard(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
             if math.isfinite(total) and torch.isfinite(norm):
                 opt.step()
                 losses.append(total)
@@ -293,7 +293,7 @@ def restore(ckpt_path, policy, opt, cfg):
     params, meta = load_checkpoint(ckpt_path, opt, mine)
     with torch.no_grad():
         for k, p in mine.items():
-            p.copy_(like(params[k].to(p.device), p))
+            p.copy_(reshard(params[k].to(p.device), p))
     policy.publish()  # the sampler must start from the restored weights too
     return meta["step"], meta["time_s"]
 
@@ -303,7 +303,7 @@ def checkpoint(cfg, llm, policy, opt, meta):
     PEFT format too, loadable without flatrl. -> the step saved"""
     params = save_checkpoint(checkpoint_path(cfg), policy.params(), opt, meta)
     if llm and rank() == 0:
-        policy.save_adapter(os.path.join(cfg.out, "adapter"), params)
+        save_adapter(policy, os.path.join(cfg.out, "adapter"), params)
     return meta["step"]
 
 

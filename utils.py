@@ -198,7 +198,7 @@ def freeze_start_up():
     """Start-up (imports, the model, vLLM's engine) makes millions of objects that live all run, and each full
     collection walks them all, in every step too. train.py, run as a script, starts with collection off; this moves
     what exists by now out of every later collection (gc.freeze; the vLLM sampler calls it before its engine starts,
-    which collects in full itself): over 5% of a CPU preset's step (benchmarks/README.md). Library callers keep
+    which collects in full itself; what it saves: benchmarks/README.md "Speed tricks"). Library callers keep
     Python's own collection: it does nothing while collection is on."""
     if not gc.isenabled():
         gc.freeze()
@@ -206,9 +206,9 @@ def freeze_start_up():
 
 def keep_freed_memory():
     """glibc hands every freed block over 32 MB back to the kernel, so each update's [tokens, vocab] logits,
-    log-softmax and their gradients come back as fresh pages, each faulted in again (benchmarks/README.md: a third
-    of an update). No mmap, no trimming: freed memory stays in the process for the next step, and
-    resident memory stays at its peak. train.py calls it when run as a script; other libcs keep their default."""
+    log-softmax and their gradients come back as fresh pages, each faulted in again. No mmap, no trimming: freed
+    memory stays in the process for the next step, and resident memory stays at its peak (what it saves:
+    benchmarks/README.md "Speed tricks"). train.py calls it when run as a script; other libcs keep their default."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: no mmap
@@ -268,12 +268,12 @@ def sharded(t):
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def full(t):
+def unshard(t):
     """An FSDP shard -> the whole tensor (a collective: every rank calls it, in order); any other tensor as it is."""
     return t.full_tensor() if sharded(t) else t
 
 
-def like(t, ref):
+def reshard(t, ref):
     """A whole tensor -> laid out like ref: this rank's shard where ref is an FSDP shard (a collective)."""
     if not sharded(ref):
         return t
@@ -328,10 +328,10 @@ def save_checkpoint(path, params, opt, meta):
     (opt_index). -> the whole params"""
     states = opt.state_dict()["state"]
     place = opt_index(opt, params) if states else []
-    params = {k: full(v).detach().contiguous().cpu() for k, v in params.items()}
+    params = {k: unshard(v).detach().contiguous().cpu() for k, v in params.items()}
     tensors = {f"model.{k}": v for k, v in params.items()}
     for j, state in states.items():  # AdamW's step and moments
-        tensors.update({f"opt.{place[j]}.{k}": full(v).cpu().contiguous() for k, v in state.items()})
+        tensors.update({f"opt.{place[j]}.{k}": unshard(v).cpu().contiguous() for k, v in state.items()})
     for name, rng in rng_states().items():  # [world, S] each
         tensors[f"rng.{name}"] = torch.stack(all_gather(rng)) if dist_on() else rng[None]
     if rank() == 0:
@@ -354,7 +354,7 @@ def load_checkpoint(path, opt, params):
     for k, v in saved.items():
         _, i, name = k.split(".", 2)
         j = torch_index[int(i)]
-        state.setdefault(j, {})[name] = like(v, held[j]) if v.dim() else v
+        state.setdefault(j, {})[name] = reshard(v, held[j]) if v.dim() else v
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
     restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
     for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)

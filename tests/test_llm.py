@@ -20,10 +20,10 @@ import train
 from algos import ADVANTAGES
 from conftest import needs_smol
 from config import Config
-from model import HFPolicy, pack
+from model import HFPolicy, pack, save_adapter, shared_prompts
 from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
                    numeric_match, overlong_penalty)
-from utils import Batch, fast_bf16, full
+from utils import Batch, fast_bf16, unshard
 
 FAST_BF16 = fast_bf16("cpu")  # FLATRL_FAST_BF16=0 / 1 forces it
 
@@ -136,7 +136,7 @@ def test_old_logp_from_the_update_equals_a_scoring_pass(tiny_llm, bf16):
 
 
 def flat(policy):  # every parameter in one vector, gathered whole under FSDP
-    return torch.cat([full(p).detach().flatten() for p in policy.params().values()])
+    return torch.cat([unshard(p).detach().flatten() for p in policy.params().values()])
 
 
 def updated(policy, batch, cfg):
@@ -331,7 +331,7 @@ def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora
     tails = [[20, 21, 1, 30, 31, 22, 1], [23, 1], [24, 25, 26, 27, 28, 29, 1], [40, 41], [42, 1, 30, 43, 1], [44, 45, 46]]
     masks = [[1, 1, 1, 0, 0, 1, 1], [1, 1], [1] * 7, [1, 1], [1, 1, 0, 1, 1], [1, 1, 1]]
     batch = policy.to_batch(prompts, tails, masks=masks, n=3)
-    first, inv = policy.shared_prompts(batch)
+    first, inv = shared_prompts(batch, policy.cfg)
     assert len(first) == 2 and len(set(inv[:3].tolist())) == len(set(inv[3:].tolist())) == 1 and inv[0] != inv[3]
     if micro:  # groups ordered by their longest completion, a group split over two pieces, rows by length in each
         assert [idx.tolist() for idx, _ in train.micro_batches(batch, micro)] == [[3, 5, 4, 0], [1, 2]]
@@ -340,7 +340,7 @@ def test_a_groups_prompt_runs_once_and_scores_and_trains_the_same(tiny_llm, lora
     shared, g_shared = scores_and_grads(policy, batch, cfg)
     policy.cfg = dataclasses.replace(cfg, group_size=1)
     monkeypatch.setattr(model, "RUN_COST", {})  # the reference: every row whole, all of a piece in one pass
-    assert policy.shared_prompts(batch) is None
+    assert shared_prompts(batch, policy.cfg) is None
     whole, g_whole = scores_and_grads(policy, batch, cfg)
     for k in shared:
         assert torch.allclose(shared[k], whole[k], atol=2e-5, rtol=0), k
@@ -402,7 +402,7 @@ def test_lora_adapter_round_trip(tiny_llm, tmp_path):
     batch.rewards = torch.rand_like(batch.mask) * batch.mask
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
     train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch, cfg, 8)
-    policy.save_adapter(str(tmp_path / "adapter"), policy.params())
+    save_adapter(policy, str(tmp_path / "adapter"), policy.params())
     loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")  # as README shows: no flatrl needed
     with torch.no_grad():
         ours = policy.lm(input_ids=batch.obs, attention_mask=batch.attn).logits

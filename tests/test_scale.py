@@ -20,7 +20,7 @@ import train
 import utils
 from algos import ADVANTAGES
 from config import Config
-from model import HFPolicy, MLPPolicy
+from model import HFPolicy, MLPPolicy, shared_prompts
 from tasks import GymTask
 from test_llm import flat, leave_rank, llm_cfg, shared_batch
 from test_serve import ROOT, finish, free_port, output, rows, spawn
@@ -51,7 +51,7 @@ def test_fsdp_two_ranks_equal_one_process(tiny_llm, tmp_path, lora_r):
     one = llm_cfg(tiny_llm, lora_r=lora_r)
     cfg = dataclasses.replace(one, fsdp=True)  # validate() would want torchrun's WORLD_SIZE: the ranks come from mp.spawn
     policy, batch = shared_batch(one, tmp_path / "batch.safetensors")
-    assert policy.shared_prompts(batch) is not None  # the ranks run each group's prompt once (model.forward_logits) ...
+    assert shared_prompts(batch, policy.cfg) is not None  # the ranks run each group's prompt once (model.forward_logits) ...
     unshared = dataclasses.replace(one, group_size=1)  # ... the one process runs every row whole
     policy.cfg = unshared
     stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch,
@@ -225,7 +225,7 @@ import os, sys
 sys.path.insert(0, os.getcwd())  # run from the repository, as train.py is
 import json, torch
 import tasks, train
-from utils import all_gather, full, rank
+from utils import all_gather, unshard, rank
 
 class Digits(tasks.Arith):  # a reward a random tiny model earns sometimes: groups vary, so there is a gradient
     rewards = [(1.0, lambda p, c, a: sum(ch.isdigit() for ch in c) / 8)]
@@ -233,7 +233,7 @@ tasks.TASKS["digits"] = Digits
 diffs = {}
 
 def record(name, policy):  # the largest difference between the two ranks' whole trainable weights
-    mine = torch.cat([full(p).detach().flatten() for p in policy.params().values()])
+    mine = torch.cat([unshard(p).detach().flatten() for p in policy.params().values()])
     a, b = all_gather(mine)
     diffs[name] = (a - b).abs().max().item()
 
