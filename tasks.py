@@ -167,6 +167,19 @@ def replies(chat):
     return [m["content"] for m in chat if m["role"] == "assistant"]
 
 
+def distinct_problems(problem, seed, want, exclude=frozenset()):
+    """-> {question: answer} of up to `want` distinct problems of problem(rng) seeded `seed`, none in `exclude`: as
+    many as 1000 x want draws find."""
+    rng, found = random.Random(seed), {}
+    for _ in range(1000 * want):
+        if len(found) == want:
+            break
+        q, a = problem(rng)
+        if q not in exclude:
+            found.setdefault(q, a)
+    return found
+
+
 class LLMTask:
     """Prompts and weighted rewards. A new task: a subclass with problem(rng) -> (question, answer), its own rewards /
     correct / build_prompt if needed, one line in TASKS. Multi-turn: env_response answers each reply (None ends it).
@@ -181,20 +194,8 @@ class LLMTask:
         self.held_keys = {q for q, _ in self.eval_set}
         self.check_training_room()
 
-    def distinct(self, seed, want, exclude=frozenset()):
-        """-> {question: answer} of up to `want` distinct problems of the stream seeded `seed`, none in `exclude`: as
-        many as 1000 x want draws find."""
-        rng, found = random.Random(seed), {}
-        for _ in range(1000 * want):
-            if len(found) == want:
-                break
-            q, a = self.problem(rng)
-            if q not in exclude:
-                found.setdefault(q, a)
-        return found
-
     def held_out(self):
-        found = self.distinct(10**9, self.cfg.n_eval)
+        found = distinct_problems(self.problem, 10**9, self.cfg.n_eval)
         if len(found) < self.cfg.n_eval:
             raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
                              f"lower --n-eval (training needs the rest)")
@@ -204,7 +205,7 @@ class LLMTask:
         """Refuse a task that holds out (nearly) all its problems: train_problems would draw forever, or repeat a
         handful. A step's prompts need at least as many distinct problems left to train on."""
         want = self.cfg.batch_size // self.cfg.group_size
-        left = self.distinct(10**9 + 1, want, self.held_keys)
+        left = distinct_problems(self.problem, 10**9 + 1, want, self.held_keys)
         if len(left) < want:
             raise SystemExit(f"config error: {type(self).__name__} has {len(left)} distinct problems left for "
                              f"training after the {self.cfg.n_eval} held out, fewer than a step's {want} prompts: "

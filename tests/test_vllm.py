@@ -82,11 +82,11 @@ def test_old_logp_ablation_trains_against_the_samplers_numbers(tiny_llm):
         policy = HFPolicy(cfg)
         torch.manual_seed(0)
         batch = Arith(cfg).rollout(policy, 0)
-        train.score_old(policy, batch, cfg)
-        if mode == "trainer":  # sync, one update: nothing recorded, old_logp from the update's own forward
-            assert batch.sampler_logp is None and batch.old_logp is None
+        if mode == "trainer":  # sync, one update: nothing recorded, old_logp is the update's own forward
+            assert batch.sampler_logp is None and train.ratio_is_one(cfg, batch)
         else:  # the bf16 sampler's logprobs stand in for the fp32 trainer's: the ratio is no longer 1
-            assert batch.old_logp is batch.sampler_logp
+            train.score_old(policy, batch, cfg)
+            assert batch.old_logp is batch.sampler_logp and not train.ratio_is_one(cfg, batch)
             batch.adv = torch.ones_like(batch.mask) * batch.mask
             stats = train.update(policy, torch.optim.SGD(list(policy.params().values()), lr=0.0), batch, cfg, 8)
             assert stats["trained_ratio_max"] > 1.0 and stats["trained_ratio"] != pytest.approx(1.0, abs=1e-6)
@@ -119,7 +119,8 @@ def test_logp_gap_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
     gaps = []
     for batch in (good, stale):  # both claim version 1: scored under version 1's weights
         batch.version, batch.rewards[:, 0] = 1, torch.tensor([1.0, 0.0, 1.0, 0.0])
-        train.score_old(policy, batch, cfg)
+        batch.adv, _ = train.ADVANTAGES["grpo"](batch, cfg)
+        train.score_old(policy, batch, cfg, train.rows_run(batch, cfg))
         gaps.append(train.batch_metrics(batch, cfg, said.append)["logp_gap"])
     assert gaps[0] < 1e-4 < cfg.gap_tol < gaps[1]
     assert len(said) == 1 and "logp_gap" in said[0] and "version 1 does not sample what the trainer scores" in said[0]
