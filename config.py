@@ -222,13 +222,20 @@ def _typed(key, value, typ, where):
 
 def load_yaml(path):
     if not os.path.isfile(path):
-        raise SystemExit(f"config error: no config file {path!r} (the presets are in configs/, e.g. "
-                         "configs/cartpole_ppo.yaml)")
+        folder, name = os.path.split(path)
+        there = os.listdir(folder or ".") if os.path.isdir(folder or ".") else []
+        near = difflib.get_close_matches(name, there, n=1, cutoff=0.5)  # arith_grpo.yaml -> arith_grpo_cpu.yaml
+        hint = f"did you mean {os.path.join(folder, near[0])}?" if near else "the presets are in configs/"
+        raise SystemExit(f"config error: no config file {path!r} ({hint})")
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
-        raise SystemExit(f"config error: {path} is not valid YAML: {str(e).splitlines()[0]}")
+        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)  # lines numbered from 0
+        where = f"{path}:{mark.line + 1}" if mark else path
+        opened = f"{e.context} from line {start.line + 1}: " if start and e.context else ""  # e.g. an unclosed [
+        raise SystemExit(f"config error: {where}: not valid YAML ({opened}{getattr(e, 'problem', None) or e}): "
+                         f"write it as 'key: value' lines")
     if not isinstance(data, dict):
         raise SystemExit(f"config error: {path} must hold 'key: value' lines")
     types = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -244,12 +251,25 @@ def load_yaml(path):
 
 def resumed(run_dir):
     """--resume RUN_DIR: the run's own config, or a one-line error when there is nothing to resume."""
+    if os.path.isfile(run_dir):
+        raise SystemExit(f"config error: --resume takes a run directory, and {run_dir} is a file: to start from a "
+                         f"preset use --config {run_dir}; to resume, --resume {os.path.dirname(run_dir) or '.'}")
     if not os.path.isdir(run_dir):
         raise SystemExit(f"config error: --resume {run_dir}: no such run directory")
     if not os.path.isfile(os.path.join(run_dir, "checkpoint.safetensors")):
         raise SystemExit(f"config error: --resume {run_dir}: no checkpoint.safetensors there (a run saves one every "
                          "--save-every steps and at the end); to start afresh use --out")
     return load_yaml(os.path.join(run_dir, "config.yaml"))
+
+
+def _shown(default):  # as it would be typed
+    if isinstance(default, bool):
+        return str(default).lower()
+    return repr(default) if isinstance(default, str) and (default == "" or "\n" in default) else str(default)
+
+
+def _one_line(message):
+    raise SystemExit(f"config error: {message} (python train.py --help lists the flags)")
 
 
 def parse(argv=None, choices=None):
@@ -267,11 +287,13 @@ def parse(argv=None, choices=None):
         names = {**CHOICES, **choices}.get(f.name)
         if names:
             help += f" [{', '.join(names)}]"
+        help += f" (default: {_shown(f.default)})".replace("%", "%%")  # argparse formats help with %
         group = groups.setdefault(section, parser.add_argument_group(section))
         if f.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
         else:
             group.add_argument(flag, type=f.type, help=help, metavar=f.name.upper())
+    parser.error = _one_line  # a bad value (--lr=fast) is one line, without the usage block
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flags = ["--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)]

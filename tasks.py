@@ -1,7 +1,7 @@
 """Tasks turn a policy into a Batch and score it. Every task implements:
-    rollout(policy, step) -> Batch      samples for training step `step` (deterministic in seed, step)
-    evaluate(policy) -> {"eval_...": x} greedy, on a fixed held-out set
-    solved(metrics) -> bool             the task's threshold reached (ends the run early)
+    rollout(policy, step) -> Batch             samples for training step `step` (deterministic in seed, step)
+    evaluate(policy, step) -> {"eval_...": x}  greedy, on a fixed held-out set
+    solved(metrics) -> bool                    the task's threshold reached (ends the run early)
 Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played as episodes of one or
 more turns (LLMTask.play: read it second, after train.py's step; then algos.py). TASKS maps --task to a class.
 """
@@ -180,6 +180,27 @@ def distinct_problems(problem, seed, want, exclude=frozenset()):
     return found
 
 
+def check_training_room(task):
+    """Refuse a task that holds out (nearly) all its problems: train_problems would draw forever, or repeat a
+    handful. A step's prompts need at least as many distinct problems left to train on."""
+    want = task.cfg.batch_size // task.cfg.group_size
+    left = distinct_problems(task.problem, 10**9 + 1, want, task.held_keys)
+    if len(left) < want:
+        raise SystemExit(f"config error: {type(task).__name__} has {len(left)} distinct problems left for training "
+                         f"after the {task.cfg.n_eval} held out, fewer than a step's {want} prompts: lower --n-eval")
+
+
+def save_samples(cfg, step, problems, chats):
+    """An evaluation's first four episodes, appended to the run's samples.jsonl (rank 0)."""
+    if rank() > 0 or not cfg.out:
+        return
+    with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
+        for (q, a), chat in list(zip(problems, chats))[:4]:
+            more = {"turns": chat} if cfg.max_turns > 1 else {}
+            sample = {"step": step, "prompt": q, "answer": str(a), "completion": replies(chat)[-1], **more}
+            f.write(json.dumps(sample) + "\n")
+
+
 class LLMTask:
     """Prompts and weighted rewards. A new task: a subclass with problem(rng) -> (question, answer), its own rewards /
     correct / build_prompt if needed, one line in TASKS. Multi-turn: env_response answers each reply (None ends it).
@@ -192,7 +213,7 @@ class LLMTask:
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
         self.eval_set = self.held_out()
         self.held_keys = {q for q, _ in self.eval_set}
-        self.check_training_room()
+        check_training_room(self)
 
     def held_out(self):
         found = distinct_problems(self.problem, 10**9, self.cfg.n_eval)
@@ -200,16 +221,6 @@ class LLMTask:
             raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
                              f"lower --n-eval (training needs the rest)")
         return list(found.items())
-
-    def check_training_room(self):
-        """Refuse a task that holds out (nearly) all its problems: train_problems would draw forever, or repeat a
-        handful. A step's prompts need at least as many distinct problems left to train on."""
-        want = self.cfg.batch_size // self.cfg.group_size
-        left = distinct_problems(self.problem, 10**9 + 1, want, self.held_keys)
-        if len(left) < want:
-            raise SystemExit(f"config error: {type(self).__name__} has {len(left)} distinct problems left for "
-                             f"training after the {self.cfg.n_eval} held out, fewer than a step's {want} prompts: "
-                             "lower --n-eval")
 
     def build_prompt(self, question):
         return question
@@ -322,12 +333,7 @@ class LLMTask:
         if self.cfg.eval_k:
             last = [replies(c)[-1] for c in self.play(policy, mine, self.cfg.eval_k)[1]]
             out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, last, self.cfg.eval_k)
-        if rank() == 0 and self.cfg.out:
-            with open(os.path.join(self.cfg.out, "samples.jsonl"), "a") as f:
-                for (q, a), r, c in list(zip(mine, said, chats))[:4]:
-                    more = {"turns": c} if self.cfg.max_turns > 1 else {}
-                    sample = {"step": step, "prompt": q, "answer": str(a), "completion": r[-1], **more}
-                    f.write(json.dumps(sample) + "\n")
+        save_samples(self.cfg, step, mine, chats)
         return out
 
     def solved_fraction(self, problems, prompts, texts, k):

@@ -23,9 +23,9 @@ from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, 
 from model import HFPolicy, MLPPolicy, check_parity, save_adapter
 from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
-from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, freeze_start_up, fresh_dir, held_mb,
-                   keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank, reshard, save_checkpoint,
-                   seed_all, unshard, world)
+from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
+                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank, reshard,
+                   rewind, rng_mark, save_checkpoint, seed_all, unshard, world)
 
 
 def build(cfg):
@@ -360,11 +360,11 @@ def main(argv=None):
     return run(cfg, task, policy, opt, start, began - seconds_before)
 
 
-def evaluation(cfg, task, policy, step, start):
+def evaluation(cfg, task, policy, step):
     """-> ({"step": step} and, when due, the greedy held-out evaluation's metrics; solved?), one decision for every
     rank: rank 0's. Step 0's evaluation is before any update."""
     row = {"step": step}
-    if step in (start, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):
+    if step in (0, cfg.steps) or (cfg.eval_every and step % cfg.eval_every == 0):  # a resume keeps the schedule
         row.update(task.evaluate(policy, step))
     solved = cfg.stop_when_solved and task.solved(row)
     if world() > 1 and len(row) > 1:
@@ -385,10 +385,10 @@ def run(cfg, task, policy, opt, start, began):
         log.say(line)
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
     peaks = mfu_peaks(cfg, policy) if task.llm else None
-    done, saved, interrupted = start, start if cfg.resume else None, False
-    try:
+    done, saved, interrupted, mark = start, start if cfg.resume else None, False, rng_mark()
+    try:  # Ctrl-C: the checkpoint is the last step boundary's, so a resume goes on as if never stopped
         for step in range(start, cfg.steps + 1):
-            row, solved = evaluation(cfg, task, policy, step, start)
+            row, solved = evaluation(cfg, task, policy, step)
             if solved or step == cfg.steps:
                 log.log({**row, "time_s": clock()}, done)
                 if solved:
@@ -406,19 +406,21 @@ def run(cfg, task, policy, opt, start, began):
                 if cfg.algo != "ppo" and not ratio_is_one(cfg, batch):  # only the rows that can move the loss
                     score_old(policy, batch, cfg, rows_run(batch, cfg))
             timer("score_s")
-            # 3 - update
-            stats = update(policy, opt, batch, cfg, task.max_len)
-            timer("update_s")
-            # 4 - publish, log, save
-            source.publish(step + 1)
-            timer("publish_s")
-            done = step + 1
-            speeds = speed(policy, batch, cfg, timer.split, peaks, "loss" in stats)
-            log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg, log.say), **stats, **timer.split, **speeds,
-                     **source.stats()}, done)
-            if cfg.save_every and done % cfg.save_every == 0:
-                saved = save(done)
-    except KeyboardInterrupt:
+            with ctrl_c_waits():  # from here the step changes weights, optimizer, log: all of it, or (above) none
+                # 3 - update
+                stats = update(policy, opt, batch, cfg, task.max_len)
+                timer("update_s")
+                # 4 - publish, log, save
+                source.publish(step + 1)
+                timer("publish_s")
+                done, mark = step + 1, rng_mark()
+                speeds = speed(policy, batch, cfg, timer.split, peaks, "loss" in stats)
+                log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg, log.say), **stats, **timer.split,
+                         **speeds, **source.stats()}, done)
+                if cfg.save_every and done % cfg.save_every == 0:
+                    saved = save(done)
+    except KeyboardInterrupt:  # in an evaluation, a rollout or scoring: the step is dropped, its draws undone
+        rewind(mark)
         log.say(f"interrupted after {done} steps: saving a checkpoint (resume with --resume {cfg.out})")
         interrupted = True
     if done != saved:

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 
@@ -313,6 +314,44 @@ def rng_states():
     return states
 
 
+def rng_mark():
+    """This rank's generators as they are now, to go back to with rewind (a step that Ctrl-C cut short)."""
+    return rng_states(), random.getstate()
+
+
+def rewind(mark):
+    states, python = mark
+    restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
+    for name, state in states.items():
+        restore[name](state)
+    random.setstate(python)
+
+
+@contextlib.contextmanager
+def ctrl_c_waits():
+    """A Ctrl-C inside the block is held until the block ends, then raised: what changes in it changes entirely or
+    not at all. Outside the main thread signals are not ours to catch, and the block runs as it is."""
+    held = []
+
+    def hold(signum, frame):
+        if held:  # a second Ctrl-C: out now, and nothing saved (the block is half done)
+            raise SystemExit("stopped by a second Ctrl-C: nothing saved since the last checkpoint")
+        held.append(signum)
+        print("Ctrl-C: the step finishes first (Ctrl-C again stops without saving)", file=sys.stderr)
+
+    try:
+        previous = signal.signal(signal.SIGINT, hold)
+    except ValueError:
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):  # Python's own handler raises KeyboardInterrupt; an ignored SIGINT stays ignored
+        previous(signal.SIGINT, None)
+
+
 def opt_index(opt, params):
     """The checkpoint index of each of the optimizer's weights, in torch's numbering (group after group): its place
     among `params`, the policy's trainable weights in order. Checkpoints number states as one group did, so those
@@ -424,7 +463,7 @@ class Logger:
             log(row)
         self.last_eval = {k: v for k, v in row.items() if k.startswith("eval_")} or self.last_eval
         post = {k: f"{row[k]:.3g}" for k in show if k in row}
-        post.update({k[5:]: f"{v:.3g}" for k, v in self.last_eval.items()})
+        post.update({k: f"{v:.3g}" for k, v in self.last_eval.items()})  # eval_acc: held-out, not training
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(done - self.bar.n)
 

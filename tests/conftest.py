@@ -11,6 +11,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the suite never needs the hub; u
 signal.signal(signal.SIGINT, signal.default_int_handler)
 SMOL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+if os.environ.get("FLATRL_TEST_FORK"):  # test_config's fork test: the tests again, as a fork with its own additions
+    import algos
+    import tasks
+
+    class Fork(tasks.Arith):
+        rewards = [*tasks.Arith.rewards, (0.1, tasks.format_reward)]
+
+    tasks.TASKS["fork"] = Fork
+    algos.ADVANTAGES["fork_rloo"] = algos.rloo
+
 
 def smol_cached():
     """Is SmolLM2 in the Hugging Face cache (wherever HF_HOME / HF_HUB_CACHE put it)?"""
@@ -55,3 +65,58 @@ def make_tiny_llm(path, seed=0):
 @pytest.fixture(scope="session")
 def tiny_llm(tmp_path_factory):
     return make_tiny_llm(tmp_path_factory.mktemp("tiny_llm"))
+
+
+# --- Ctrl-C at a chosen moment of a step, in-process ---------------------------------------------
+
+def ctrl_c_during(monkeypatch, moment, step, presses=1):
+    """Make train.main receive real SIGINTs during step `step` (once: a resume runs on undisturbed): after its
+    evaluation, after its rollout's draws, or before the first optimizer step of its update."""
+    import time
+
+    import torch
+    import train
+    state, build, adamw_step = {"armed": False, "fired": False}, train.build, torch.optim.AdamW.step
+
+    def ctrl_c():
+        if not state["fired"]:
+            state["fired"] = True
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs before the next press (two pending SIGINTs would be one)
+
+    def after(fn, phase):
+        def wrapped(policy, at):
+            out = fn(policy, at)
+            state["armed"] = at == step and moment == "update"
+            if at == step and phase == moment:
+                ctrl_c()
+            return out
+        return wrapped
+
+    def patched_build(cfg):
+        task, policy = build(cfg)
+        task.rollout, task.evaluate = after(task.rollout, "rollout"), after(task.evaluate, "evaluate")
+        return task, policy
+
+    def stepping(self, *args, **kwargs):
+        if state["armed"]:
+            ctrl_c()
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(train, "build", patched_build)
+    monkeypatch.setattr(torch.optim.AdamW, "step", stepping)
+
+
+def same_run(a, b):
+    """The two run folders hold the same weights, optimizer and RNG states, and the same metrics but for clocks."""
+    import csv
+    import torch
+    from safetensors.torch import load_file
+    ta, tb = load_file(os.path.join(a, "checkpoint.safetensors")), load_file(os.path.join(b, "checkpoint.safetensors"))
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+    def rows(run):
+        with open(os.path.join(run, "metrics.csv")) as f:
+            return [{k: v for k, v in r.items() if not (k.endswith("_s") or "mfu" in k)} for r in csv.DictReader(f)]
+    assert rows(a) == rows(b)

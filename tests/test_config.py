@@ -1,4 +1,9 @@
 """CLI and YAML parsing, unknown keys, validate() rejections."""
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
 import config
@@ -133,7 +138,21 @@ def test_help_lists_the_registered_tasks_and_algorithms(capsys):
     with pytest.raises(SystemExit):
         config.parse(["--help"], CHOICES)
     out = " ".join(capsys.readouterr().out.split())
-    assert "[cartpole, gym, arith, countdown, calc, data, jsonl]" in out and "[reinforce, reinforce_baseline, ppo, grpo, rloo]" in out
+    tasks, algos = (re.search(rf"--{k} {k.upper()} .*?\[(.*?)\]", out)[1].split(", ") for k in ("task", "algo"))
+    assert {"cartpole", "gym", "arith", "countdown", "calc", "data", "jsonl"} <= set(tasks) and tasks == list(TASKS)
+    assert {"reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"} <= set(algos) and algos == list(ADVANTAGES)
+    assert not os.environ.get("FLATRL_TEST_FORK") or ("fork" in tasks and "fork_rloo" in algos)
+
+
+@pytest.mark.skipif(bool(os.environ.get("FLATRL_TEST_FORK")), reason="this test runs the others as the fork")
+def test_a_fork_that_adds_a_task_a_reward_and_an_algorithm_keeps_the_tests_green():
+    """README's way of adding a task (and an algorithm): the suite checks the built-ins are there, not that nothing
+    else is. conftest.py registers the additions when FLATRL_TEST_FORK is set."""
+    files = ["tests/test_config.py", "tests/test_algos.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", *files, "-p", "no:cacheprovider"], capture_output=True,
+                         text=True, env={**os.environ, "FLATRL_TEST_FORK": "1"}, cwd=os.path.dirname(__file__) + "/..")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert re.search(r"\d+ passed", run.stdout) and " failed" not in run.stdout
 
 
 def test_one_shot_fields_are_not_saved_with_the_run(tmp_path):

