@@ -165,6 +165,7 @@ class HFGenerator:
     def __init__(self, lm, cfg, stop_ids, pad_id):
         self.cfg, self.stop_ids, self.pad_id = cfg, stop_ids, pad_id
         self.lm = copy.deepcopy(lm).to(getattr(torch, cfg.gen_dtype)).eval().requires_grad_(False)
+        self.cache = cache_arg(self.lm)
 
     def sync(self, policy):
         weights = merged_weights(policy)
@@ -194,7 +195,7 @@ class HFGenerator:
         out = self.lm(input_ids=obs.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev), use_cache=True,
                       logits_to_keep=1)
         rows = torch.arange(len(prompts), device=dev).repeat_interleave(n)  # [B] each row's prompt
-        logits, cache = out.logits[rows, -1], out[cache_arg(self.lm)]  # [B, V]
+        logits, cache = out.logits[rows, -1], out[self.cache]  # [B, V]
         cache.batch_select_indices(rows)
         attn, pos = attn.to(dev)[rows], pos.to(dev)[rows, -1:]  # [B, P], [B, 1]
         done = torch.zeros(len(rows), dtype=torch.bool, device=dev)  # [B] rows that sampled a stop token
@@ -214,7 +215,7 @@ class HFGenerator:
             attn = torch.cat([attn, attn.new_ones(len(attn), 1)], 1)  # [B, P + t]
             pos = pos + 1  # [B, 1]
             logits = self.lm(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
-                             **{cache_arg(self.lm): cache}).logits[:, -1]  # [B, V]
+                             **{self.cache: cache}).logits[:, -1]  # [B, V]
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
 
     def cut(self, ids):  # up to and with the first stop token
@@ -440,14 +441,14 @@ class HFPolicy(nn.Module):
         spans = [(0, len(lengths))]  # one run: on a GPU, and under FSDP, where every rank must run the same passes
         if not self.cfg.fsdp and self.device.type in RUN_COST:
             spans = runs(lengths, 0 if shared is not None else P - 1, RUN_COST[self.device.type])
-        logits, states = [], []
+        logits, states, name = [], [], cache_arg(lm)  # name: the forward's KV cache argument
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             if shared is not None:
                 first, inv = shared
                 head = slice(0, P - 1)
                 pre = lm(input_ids=batch.obs[first, head], attention_mask=batch.attn[first, head],
                          position_ids=pos[first, head], use_cache=True, logits_to_keep=1)
-                prompt = pre[cache_arg(lm)]
+                prompt = pre[name]
                 tie = 0 * pre.logits.sum()  # under FSDP backward must reach the prompt pass too (its hooks sit there)
             for a, b in spans:
                 t = max(max(lengths[a:b]), 1)
@@ -455,7 +456,7 @@ class HFPolicy(nn.Module):
                 cols = slice(0 if cache is None else P - 1, P - 1 + t)  # the last token predicts nothing: not run
                 out = lm(input_ids=batch.obs[a:b, cols], attention_mask=batch.attn[a:b, :P - 1 + t],
                          position_ids=pos[a:b, cols], use_cache=cache is not None, output_hidden_states=hidden,
-                         logits_to_keep=t, **{cache_arg(lm): cache})
+                         logits_to_keep=t, **{name: cache})
                 logits.append(out.logits[tokens[a:b, :t]])  # [m, V] the real tokens' logits only
                 if hidden:
                     states.append(F.pad(out.hidden_states[-1][:, -t:], (0, 0, 0, T - t)))

@@ -319,11 +319,13 @@ def rng_mark():
     return rng_states(), random.getstate()
 
 
+SET_RNG = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}  # rng_states' names
+
+
 def rewind(mark):
     states, python = mark
-    restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
     for name, state in states.items():
-        restore[name](state)
+        SET_RNG[name](state)
     random.setstate(python)
 
 
@@ -395,11 +397,10 @@ def load_checkpoint(path, opt, params):
         j = torch_index[int(i)]
         state.setdefault(j, {})[name] = reshard(v, held[j]) if v.dim() else v
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
-    restore = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}
     for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)
         rng = tensors.get(f"rng.{name}", torch.empty(0, 0)).flatten(0, -2)  # [world, S]
         if len(rng) == world():  # resumed on as many ranks: each continues its own stream (else: seeded afresh)
-            restore[name](rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
+            SET_RNG[name](rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
     version, internal, gauss = meta["rng_python"]
     random.setstate((version, tuple(internal), gauss))
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
