@@ -319,13 +319,15 @@ def rng_mark():
     return rng_states(), random.getstate()
 
 
-SET_RNG = {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state}  # rng_states' names
+def set_rng(name, state):
+    """Set one of rng_states' generators (looked up now, not at import, so tests can stand in for a GPU)."""
+    (torch.cuda if name == "cuda" else torch).set_rng_state(state)
 
 
 def rewind(mark):
     states, python = mark
     for name, state in states.items():
-        SET_RNG[name](state)
+        set_rng(name, state)
     random.setstate(python)
 
 
@@ -400,7 +402,7 @@ def load_checkpoint(path, opt, params):
     for name in rng_states():  # the generators this run uses (a GPU's is in the file if the saving run used one)
         rng = tensors.get(f"rng.{name}", torch.empty(0, 0)).flatten(0, -2)  # [world, S]
         if len(rng) == world():  # resumed on as many ranks: each continues its own stream (else: seeded afresh)
-            SET_RNG[name](rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
+            set_rng(name, rng[rank()].clone())  # a copy: set_rng_state reads from the storage start
     version, internal, gauss = meta["rng_python"]
     random.setstate((version, tuple(internal), gauss))
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
