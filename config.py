@@ -56,7 +56,7 @@ class Config:
     save_every: int = 10  # checkpoint every N steps, and at the end (0 = only at the end)
     stop_when_solved: bool = True  # end the run when greedy evaluation reaches the task's threshold
     device: str = "cpu"  # torch device for LLM tasks: cpu, cuda, cuda:1 ... (control tasks always run on the CPU)
-    threads: int = 0  # torch CPU threads (0 = torch's default); give each process its share when several share a CPU
+    threads: int = 0  # torch CPU threads; 0 = all cores, or a trainer's or worker's share of one machine (README)
     peak_tflops: float = 0.0  # the device's matmul peak, for gen_mfu / train_mfu (0 = measured once per dtype, cached)
     log_to: str = ""  # trackers next to metrics.csv, comma-separated: tensorboard, wandb
     plot: str = "auto"  # curves.png when the run ends; auto = LLM runs only (matplotlib is slow to import)

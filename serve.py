@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from model import check_keys, check_parity
-from utils import Batch, Logger, broadcast_bytes, rank, sharded, unshard, world
+from utils import Batch, Logger, broadcast_bytes, loopback, rank, sharded, unshard, world
 
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
 
@@ -264,7 +264,7 @@ class AsyncSource:
 
     def __init__(self, task, policy, cfg, log, version):
         token = os.environ.get("FLATRL_TOKEN") or None
-        if cfg.bind not in ("127.0.0.1", "localhost", "::1") and token is None:
+        if not loopback(cfg.bind) and token is None:
             raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
         self.snapshots = {}  # version -> the trainable weights that sampled it

@@ -25,7 +25,7 @@ from serve import WORKER, AsyncSource, SyncSource, run_worker
 from tasks import TASKS
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
                    fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank, reshard,
-                   rewind, rng_mark, save_checkpoint, seed_all, unshard, world)
+                   rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
 
 
 def build(cfg):
@@ -238,6 +238,7 @@ def setup(cfg):
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA "
                          "GPU: use --device cpu, or install a CUDA build of torch")
+    threads = share_cores(cfg)  # first: threads started from here on inherit this process's cores
     launched = int(os.environ.get("WORLD_SIZE", 1)) > 1 or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
     if launched and not dist.is_initialized():  # a launcher (torchrun) set up a world; a LOCAL_RANK alone is none
         dist.init_process_group(backend(cfg.device))
@@ -251,9 +252,9 @@ def setup(cfg):
         cfg.out = broadcast_bytes(fresh_dir(base).encode() if rank() == 0 else None).decode()  # one for all ranks
     cfg.out = cfg.resume or cfg.out
     os.makedirs(cfg.out, exist_ok=True)
+    if rank() == 0 and not cfg.ask:  # an answer alone for --ask
+        print(threads, flush=True)
     seed_all(cfg.seed)  # one seed for every rank until the policy is built: one initial model (main reseeds)
-    if cfg.threads:  # two processes each running the default thread count on one CPU slow each other down badly
-        torch.set_num_threads(cfg.threads)
 
 
 def optimizer(policy, cfg):

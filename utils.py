@@ -6,6 +6,7 @@ import csv
 import ctypes
 import dataclasses
 import gc
+import ipaddress
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import re
 import signal
 import sys
 import time
+import urllib.parse
 
 import numpy as np
 import torch
@@ -214,6 +216,50 @@ def keep_freed_memory():
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: no mmap
         libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD = -1: never trim
+
+
+def loopback(host):
+    """Is `host` this machine's loopback address (127.x, ::1, localhost)?"""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cpu_shares(cfg, cores):
+    """-> {role: the cores it computes on} for the flatrl processes on this machine. A trainer serving on loopback has
+    all its workers beside it, as has a worker whose trainer is on loopback: the trainer takes the first half of the
+    cores, its workers the rest (all local workers share that half). Each would otherwise start a thread per core and
+    they fight for them: an async step took ~10x the sync one. Otherwise the process has the machine."""
+    host = cfg.bind if cfg.role == "trainer" else urllib.parse.urlsplit(cfg.trainer_url).hostname
+    if cfg.role == "sync" or cfg.device != "cpu" or not loopback(host):
+        return {cfg.role: cores}
+    half = max(1, len(cores) // 2)
+    return {"trainer": cores[:half], "rollout": cores[half:] or cores}  # one core: shared, one thread each
+
+
+def share_cores(cfg):
+    """This process's threads (and cores, and vLLM's OpenMP binding): --threads N, else its cpu_shares share (all
+    of it split over the ranks torchrun started here). Before any torch work: the threads inherit the cores.
+    -> a line saying what it took"""
+    linux = os.path.isdir("/proc/self/task")  # elsewhere the thread counts alone, unpinned
+    cores = sorted(os.sched_getaffinity(0)) if linux else list(range(os.cpu_count()))
+    shares = cpu_shares(cfg, cores)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM's worker processes: the same count
+        return f"threads: {cfg.threads} (--threads)"
+    if len(shares) == 1:
+        return f"threads: {torch.get_num_threads()}"
+    mine = shares[cfg.role]
+    for thread in os.listdir("/proc/self/task") if linux else []:  # every thread: import torch has started one
+        os.sched_setaffinity(int(thread), mine)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+    torch.set_num_threads(max(1, len(mine) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    me, them, other = ("trainer", "its rollout workers", "rollout") if cfg.role == "trainer" else \
+        ("rollout worker", "its trainer", "trainer")
+    return (f"threads: {torch.get_num_threads()} on cores {mine} for this {me}, cores {shares[other]} for {them} "
+            "(one machine, shared; --threads N to choose)")
 
 
 # --- distributed ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from config import Config
 from model import MLPPolicy
 from serve import AsyncSource, pack_batch
 from tasks import GymTask
-from utils import Logger
+from utils import Logger, cpu_shares
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -202,6 +202,39 @@ def test_worker_with_a_different_config_exits_naming_the_field(tmp_path):
     out = output(trainer, 60)
     assert trainer.returncode == 130 and "interrupted after" in out  # checkpoint saved, then 130
     assert load_ckpt_meta(tmp_path / "t")["step"] == int(out.split("interrupted after ")[1].split()[0])
+
+
+def test_cpu_shares_split_one_machine_between_a_trainer_and_its_workers():
+    sixteen = list(range(16))
+    halves = {"trainer": sixteen[:8], "rollout": sixteen[8:]}
+    assert cpu_shares(Config(role="trainer"), sixteen) == halves  # the default --bind: loopback, its workers beside it
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"):
+        assert cpu_shares(Config(role="rollout", trainer_url=url), sixteen) == halves
+    assert cpu_shares(Config(role="trainer"), [0, 1, 2]) == {"trainer": [0], "rollout": [1, 2]}
+    assert cpu_shares(Config(role="trainer"), [5]) == {"trainer": [5], "rollout": [5]}  # one core: both on it
+    alone = [Config(), Config(role="trainer", bind="0.0.0.0"), Config(role="trainer", device="cuda"),
+             Config(role="rollout", trainer_url="http://10.0.0.1:8000")]
+    for cfg in alone:  # sync, or workers that may be elsewhere, or a trainer on a GPU: the whole machine
+        assert cpu_shares(cfg, sixteen) == {cfg.role: sixteen}
+
+
+def test_a_trainer_and_a_worker_on_one_machine_compute_on_disjoint_cores_by_default(tmp_path):
+    port = free_port()
+    trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "100000", "--out", str(tmp_path / "t"))
+    worker = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
+    shares = cpu_shares(Config(role="trainer"), sorted(os.sched_getaffinity(0)))
+    try:
+        wait_for(lambda: health(port)["version"] >= 3)  # both running, and every thread each will use started
+        for proc, role in ((trainer, "trainer"), (worker, "rollout")):
+            threads = os.listdir(f"/proc/{proc.pid}/task")  # main, torch's pool, HTTP: all on the role's cores
+            assert {t: os.sched_getaffinity(int(t)) for t in threads} == {t: set(shares[role]) for t in threads}
+    finally:  # a failed check leaves no run behind
+        for proc in (worker, trainer):
+            proc.send_signal(signal.SIGINT)
+    (t, w) = (output(p, 60).splitlines()[0] for p in (trainer, worker))
+    assert t == (f"threads: {len(shares['trainer'])} on cores {shares['trainer']} for this trainer, cores "
+                 f"{shares['rollout']} for its rollout workers (one machine, shared; --threads N to choose)")
+    assert w.startswith(f"threads: {len(shares['rollout'])} on cores {shares['rollout']} for this rollout worker,")
 
 
 # --- in-process: one AsyncSource, requests by hand -------------------------------------------------------
