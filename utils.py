@@ -256,8 +256,8 @@ def share_cores(cfg):
         os.sched_setaffinity(int(thread), mine)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
     torch.set_num_threads(max(1, len(mine) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    me, them, other = ("trainer", "its rollout workers", "rollout") if cfg.role == "trainer" else \
-        ("rollout worker", "its trainer", "trainer")
+    me, them, other = (("trainer", "its rollout workers", "rollout") if cfg.role == "trainer"
+                       else ("rollout worker", "its trainer", "trainer"))
     return (f"threads: {torch.get_num_threads()} on cores {mine} for this {me}, cores {shares[other]} for {them} "
             "(one machine, shared; --threads N to choose)")
 

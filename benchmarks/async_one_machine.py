@@ -54,10 +54,9 @@ def run(contender, generator, steps, seed):
         if any([p.wait() for p in procs]):  # every one waited for
             log.seek(0)
             raise SystemExit(f"{contender} failed:\n{log.read()[-3000:]}")
-        rows = metrics(f"{d}/t/metrics.csv")[2:]
-        times = [r["time_s"] for r in metrics(f"{d}/t/metrics.csv")[1:]]
-        out = {"step": [b - a for a, b in zip(times, times[1:])]}
-        out.update({k: [r.get(k, 0.0) for r in rows] for k in PHASES})
+        rows = metrics(f"{d}/t/metrics.csv")
+        out = {"step": [b["time_s"] - a["time_s"] for a, b in zip(rows[1:], rows[2:])]}  # step k: row k - row k-1
+        out.update({k: [r.get(k, 0.0) for r in rows[2:]] for k in PHASES})
         if contender != "sync":
             out["worker_publish_s"] = [r["publish_s"] for r in metrics(f"{d}/w/metrics.csv")[2:]]
     return out
