@@ -48,17 +48,19 @@ def ppo(b, cfg):
 
 
 def group_stats(R, group):
-    """-> (R - group mean, unbiased group std, group size), each [N], over a [groups, group_size] view: a batch's
-    groups are whole, equal and contiguous (tasks build them so, serve.unpack_batch checks a worker's, torchrun ranks
-    take whole groups). A group whose rewards are all equal gets exactly 0 (not float dust like 1e-17 / eps)."""
-    G = int((group == group[0]).sum())  # group size
-    assert len(R) % G == 0 and (group.view(-1, G) == group.view(-1, G)[:, :1]).all(), \
-        f"groups must be whole, equal and contiguous (rows i G .. i G + G - 1 share an id); got {group.tolist()}"
-    R = R.view(-1, G)  # [groups, G]
-    spread = R.amax(1, keepdim=True) - R.amin(1, keepdim=True)
-    centered = torch.where(spread > 0, R - R.mean(1, keepdim=True), 0.0)
-    std = ((centered**2).sum(1, keepdim=True) / max(G - 1, 1)).sqrt().expand(-1, G)
-    return centered.flatten(), std.flatten(), torch.full((len(group),), G)
+    """-> (R - group mean, unbiased group std, group size), each [N]. A group is adjacent rows with one id (tasks build
+    them so, serve.unpack_batch checks a worker's, torchrun ranks take whole groups). Sizes may differ: an agent that
+    rewrote its history has a row more (tasks.agent_rows). A group whose rewards are all equal gets exactly 0 (not
+    float dust like 1e-17 / eps)."""
+    _, g, size = torch.unique_consecutive(group, return_inverse=True, return_counts=True)  # [N], [groups]
+    assert len(size) == len(torch.unique(group)), f"a group's rows must be adjacent; got groups {group.tolist()}"
+    per_group = torch.zeros(len(size))
+
+    def reduce(x, how):  # [N] -> [groups]
+        return per_group.scatter_reduce(0, g, x, how, include_self=False)
+    centered = torch.where((reduce(R, "amax") > reduce(R, "amin"))[g], R - reduce(R, "mean")[g], 0.0)
+    std = (reduce(centered**2, "sum") / (size - 1).clamp(min=1)).sqrt()
+    return centered, std[g], size[g]
 
 
 def grpo(b, cfg):

@@ -15,7 +15,7 @@ import sys
 
 import yaml
 
-ONE_SHOT = ("check_parity", "ask")  # act once and exit: never written to a run's config.yaml
+ONE_SHOT = ("check_parity", "ask", "serve")  # act once and exit: never written to a run's config.yaml
 DROPPED = {"probe_tol": "the worker sync probe is gone: gap_tol warns on logp_gap instead"}  # in older config.yaml
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 CHOICES = {  # fields with fixed names
@@ -36,7 +36,7 @@ RANGES = {
     "vclip": (0, None), "adv_eps": (0, None), "peak_tflops": (0, None), "parity_tol": (0, None),
     "gap_tol": (0, None), "connect_timeout": (0, None), "port": (0, 65535), "gamma": (0, 1), "lam": (0, 1),
     "eps": (0, 1), "vllm_mem": (0, 1), "lr": (0, None), "temperature": (1e-3, None), "turn_discount": (0, 1),
-    "vllm_kv_gib": (0, None), "body_limit_mb": (0, None),
+    "vllm_kv_gib": (0, None), "body_limit_mb": (0, None), "agent_timeout": (0, None),
     "seed": (0, 2**32 - 1)}
 # seed: numpy's range (vLLM seeds numpy with it). temperature: vLLM samples greedily below 1e-5, so the loss would
 # model a distribution nobody drew from, and logits / T overflow float32 near 1e-36.
@@ -102,6 +102,8 @@ class Config:
     vllm_max_len: int = 2048  # vllm: max tokens per sequence, prompt + completion
     check_parity: bool = False  # score fixed prompts with the generator and the trainer, report, exit
     ask: str = ""  # with --resume RUN: print the trained policy's greedy reply to this prompt, then exit
+    serve: bool = False  # with --resume RUN: serve the trained policy on /v1/chat/completions (--bind, --port)
+    agent_timeout: float = 60.0  # agent tasks: seconds a step's agent runs may take; later ones get reward 0
     parity_tol: float = 0.0  # largest mean |delta logp| --check-parity accepts (0 = 1e-3 in fp32, 0.1 with bf16)
     gap_tol: float = 0.25  # trainer warns when a batch's logp_gap is larger: a worker whose weights did not load
     n_eval: int = 64  # held-out prompts per LLM evaluation (greedy)

@@ -7,9 +7,11 @@ sample (HF or vLLM generators) and turn chats into token ids. Read HFPolicy.scor
 import contextlib
 import copy
 import inspect
+import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -385,6 +387,89 @@ def token_logp(logits, batch, temperature, entropy=False, entropy_grad=False):
     return logp, zeros.masked_scatter(real, torch.cat(ents)) if entropy else None
 
 
+# --- tools: the format flatrl writes into prompts and reads from replies -----------------------------------------
+
+TOOL_NOTE = ("You can call these tools:\n{}\nTo call one, reply with <tool_call>{{\"name\": ..., \"arguments\": "
+             "{{...}}}}</tool_call>. Its result comes back as the next message.")
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)  # Hermes style, as Qwen2.5 and Hermes models write
+
+
+def tool_schema(tool):
+    """A tool as an OpenAI function schema: a dict as it is, a typed, documented Python function read by transformers
+    (its signature and its docstring's Args)."""
+    from transformers.utils import get_json_schema
+    return tool if isinstance(tool, dict) else get_json_schema(tool)
+
+
+def shows_tools(tok):
+    """Does the chat template put tools in the prompt?"""
+    chat, probe = [{"role": "user", "content": "1"}], [{"type": "function", "function": {"name": "probe"}}]
+    return tok.apply_chat_template(chat, tools=probe, tokenize=False) != tok.apply_chat_template(chat, tokenize=False)
+
+
+def template_message(m, tools_shown, tool_role):
+    """An OpenAI message as chat templates take it: text content; tool calls as the template's own (arguments a
+    dict) where it shows tools, else as <tool_call> JSON in the text; a tool result as a user message where the
+    template has no tool role."""
+    content = m.get("content") or ""
+    if isinstance(content, list):  # content parts: the text ones
+        content = "".join(part.get("text", "") for part in content)
+    calls = [{"name": c["function"]["name"], "arguments": json_args(c["function"]["arguments"])}
+             for c in m.get("tool_calls") or []]
+    out = {"role": "user" if m["role"] == "tool" and not tool_role else m["role"], "content": content}
+    if calls and tools_shown:
+        out["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    elif calls:
+        out["content"] += "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)
+    return out
+
+
+def json_args(arguments):  # OpenAI sends a call's arguments as a JSON string; templates take a dict
+    return json.loads(arguments) if isinstance(arguments, str) else arguments
+
+
+def plain_call(text, tools):
+    """A reply whose first line is `name: argument`, name one of `tools` (OpenAI schemas) -> (name, {its first
+    parameter: argument}), else None: the short form a small model copies from a worked example."""
+    found = re.match(r"\s*(\w+):[ \t]*([^\n]*)", text)
+    schema = next((t["function"] for t in tools if found and t["function"]["name"] == found[1]), {})
+    first = next(iter(schema.get("parameters", {}).get("properties", {})), None)
+    return (found[1], {first: found[2]}) if first else None
+
+
+def parse_tool_calls(text, tools):
+    """A reply -> (its text but the calls, or None; its calls [{"name", "arguments": a dict}]): <tool_call> JSON
+    (Hermes; a block that is not such JSON stays in the text), else a first line `name: argument` (plain_call)."""
+    calls = []
+    for found in TOOL_CALL.finditer(text):
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            call = json.loads(found.group(1))
+            if isinstance(call["name"], str) and isinstance(call.get("arguments", {}), dict):
+                calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+                text = text.replace(found.group(0), "", 1)
+    if not calls and (plain := plain_call(text, tools)):
+        calls, text = [{"name": plain[0], "arguments": plain[1]}], text.strip().partition("\n")[2]
+    return text.strip() or None, calls
+
+
+def render(tok, chat, prompt_next, tools=None):
+    """A chat (OpenAI's messages) as the template's ids. A template that does not show tools (SmolLM2's renders
+    the same text with and without them) would leave the model blind to them: the system message then describes
+    them and the <tool_call> format, and earlier calls are written in that format into the assistant's text. A
+    "tool" message is a user message where the template has no tool role."""
+    schemas = [tool_schema(t) for t in tools or []]
+    shown = bool(schemas) and shows_tools(tok)
+    if schemas and not shown:
+        note = TOOL_NOTE.format("\n".join(json.dumps(s["function"]) for s in schemas))
+        system = chat[0]["role"] == "system"
+        chat = [{"role": "system", "content": chat[0]["content"] + "\n\n" + note if system else note},
+                *chat[int(system):]]
+    chat = [template_message(m, shown, "tool" in tok.chat_template) for m in chat]
+    text = tok.apply_chat_template(chat, tools=schemas if shown else None, tokenize=False,
+                                   add_generation_prompt=prompt_next)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 class HFPolicy(nn.Module):
     """Any Hugging Face causal LM, with LoRA through PEFT (lora_r > 0) or fully fine-tuned (lora_r = 0). Weights
     stay fp32; forward and backward run under bf16 autocast where the device has fast bf16, unless --no-bf16.
@@ -414,17 +499,10 @@ class HFPolicy(nn.Module):
             shard(lm, self.value_head, cfg.lora_r > 0)
 
     def prompt_ids(self, text, tools=None):
-        """A user message (or a list of messages) as ids; a template that knows tools describes `tools` (functions)."""
+        """A user message (or a list of messages) as ids, the model shown `tools` (functions or OpenAI schemas)."""
         if not self.tok.chat_template:
             return self.tok(text)["input_ids"]
-        return self.render(text if isinstance(text, list) else [{"role": "user", "content": text}], True, tools)
-
-    def render(self, chat, prompt_next, tools=None):
-        """A chat as the template's ids; a "tool" message is a user message where the template has no tool role."""
-        if "tool" not in self.tok.chat_template:
-            chat = [{**m, "role": "user"} if m["role"] == "tool" else m for m in chat]
-        text = self.tok.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=prompt_next)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return render(self.tok, text if isinstance(text, list) else [{"role": "user", "content": text}], True, tools)
 
     def forward_logits(self, lm, batch, hidden=False):
         """Logits at the completions' real tokens [M, V] (padding never reaches the log-softmax), and the final hidden
@@ -483,14 +561,16 @@ class HFPolicy(nn.Module):
     def ended(self, ids):  # a reply that stopped by itself, rather than at a token limit
         return bool(ids) and ids[-1] in self.stop_ids
 
-    def env_ids(self, message, last, role="user"):
-        """The ids to append after a sampled reply (ending with stop token `last`) to add `message` and prompt the
-        next reply: the template's difference between a fixed chat with and without the message. Nothing sampled is
-        re-tokenized, so the trainer scores exactly what was sampled. A reply that stopped on another stop id than
-        the template's end of turn (Qwen2.5, Llama-3 have several) gets the end-of-turn id first."""
+    def env_ids(self, messages, last, role="user"):
+        """The ids to append after a sampled reply (ending with stop token `last`) to add `messages` (a text of
+        `role`, or OpenAI messages) and prompt the next reply: the template's difference between a fixed chat with
+        and without them. Nothing sampled is re-tokenized, so the trainer scores exactly what was sampled. A reply
+        that stopped on another stop id than the template's end of turn (Qwen2.5, Llama-3 have several), or at a token
+        limit, gets the end-of-turn id first."""
+        messages = [{"role": role, "content": messages}] if isinstance(messages, str) else messages
         chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
-        before = self.render(chat, False) if self.tok.chat_template else []
-        after = self.render(chat + [{"role": role, "content": message}], True) if self.tok.chat_template else []
+        before = render(self.tok, chat, False) if self.tok.chat_template else []
+        after = render(self.tok, chat + messages, True) if self.tok.chat_template else []
         ends = [i for i, t in enumerate(before) if t in self.stop_ids]  # where the assistant turn closed
         if not ends or after[:len(before)] != before:
             raise SystemExit(f"config error: multi-turn needs a chat template that ends assistant turns with a stop "
@@ -499,13 +579,15 @@ class HFPolicy(nn.Module):
         end_of_turn = [before[ends[-1]]] if last != before[ends[-1]] else []
         return end_of_turn + before[ends[-1] + 1:] + after[len(before):]
 
-    def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1):
-        """Episodes as ids -> Batch (rewards 0, for the task): each prompt, then `tails` (trained where masks is 1)."""
+    def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1, group=None):
+        """Episodes as ids -> Batch (rewards 0, for the task): each prompt, then `tails` (trained where masks is 1);
+        row i in group i // n, or group[i]."""
         obs, attn, mask = pack(prompts, tails, self.pad_id, masks)
         P = obs.shape[1] - mask.shape[1]
         truncated = [not self.ended(c) for c in tails] if truncated is None else truncated
         batch = Batch(obs=obs, actions=obs[:, P:].clone(), mask=mask, rewards=torch.zeros_like(mask),
-                      group=torch.arange(len(prompts)) // n, truncated=torch.tensor(truncated), attn=attn)
+                      group=torch.arange(len(prompts)) // n if group is None else torch.tensor(group),
+                      truncated=torch.tensor(truncated), attn=attn)
         if logps is not None:  # a rollout worker reports what its sampler saw  [N, T]
             batch.sampler_logp = torch.zeros_like(mask)
             for i, lp in enumerate(logps):

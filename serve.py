@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import http.client
 import http.server
+import itertools
 import json
 import os
 import threading
@@ -21,7 +22,7 @@ import uuid
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
-from model import check_keys, check_parity
+from model import check_keys, check_parity, json_args, parse_tool_calls, template_message
 from utils import Batch, Logger, broadcast_bytes, loopback, rank, sharded, unshard, world
 
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
@@ -85,11 +86,11 @@ def unpack_batch(body, cfg, expect):
             raise ValueError(f"{k} holds NaN or Inf")
     if ((b.mask != 0) & (b.mask != 1)).any():
         raise ValueError("mask must hold only 0 and 1")
-    _, counts = torch.unique(b.group, return_counts=True)
-    if (counts != cfg.group_size).any():
-        raise ValueError(f"every group must have group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
-    if (b.group.view(-1, cfg.group_size) != b.group.view(-1, cfg.group_size)[:, :1]).any():
-        raise ValueError("a group's samples must be adjacent rows (rows i G .. i G + G - 1 share a group id)")
+    _, counts = torch.unique_consecutive(b.group, return_counts=True)
+    if len(counts) != len(torch.unique(b.group)):
+        raise ValueError("a group's samples must be adjacent rows")
+    if (counts < cfg.group_size).any():  # more: an agent run that rewrote its history has a row more (tasks.py)
+        raise ValueError(f"every group needs group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
     if any(x.min() < 0 or x.max() >= expect.limit for x in ((b.actions, b.obs) if llm else (b.actions,))):
         raise ValueError(f"actions and token ids must lie in [0, {expect.limit})")
     if llm and (b.attn.shape != b.obs.shape or not torch.equal(b.obs[:, -T:], b.actions)):
@@ -141,6 +142,11 @@ class Hub:
         self.seen[worker] = now
 
 
+class Server(http.server.ThreadingHTTPServer):
+    """A thread per request. A step's agents connect at once: a listen queue of 5 (the default) refuses some."""
+    daemon_threads, request_queue_size = True, 256
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     """The trainer's HTTP routes, one method each. What they share (the Hub, the config, the expected tensors, the
     token) hangs on the server: self.server.hub and so on (AsyncSource sets them)."""
@@ -160,11 +166,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def fail(self, code, msg):
-        if self.command == "POST":
+    def fail(self, code, msg, param=None):
+        """An error in OpenAI's shape (its clients read it; so do flatrl's workers)."""
+        if self.path == "/rollouts" and self.server.hub:
             with self.server.hub.cond:
                 self.server.hub.counts["rejected"] += 1
-        self.reply(code, {"error": msg})
+        kinds = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
+        kind = kinds.get(code, "invalid_request_error")
+        self.reply(code, {"error": {"message": msg, "type": kind, "param": param, "code": None}})
 
     def authorized(self):
         got, token = self.headers.get("Authorization", ""), self.server.token
@@ -172,10 +181,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         url, hub = urllib.parse.urlparse(self.path), self.server.hub
-        if url.path == "/healthz":
+        if url.path == "/healthz" and hub:
             return self.healthz()
         if not self.authorized():
             return self.fail(401, "missing or wrong bearer token")
+        if url.path == "/v1/models" and self.server.chat:
+            return self.reply(200, {"object": "list", "data": [{"id": self.server.cfg.model, "object": "model",
+                                                                "created": 0, "owned_by": "flatrl"}]})
+        if not hub:
+            return self.fail(404, f"no endpoint {url.path}")
         if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
             with hub.cond:
                 hub.heard(worker)
@@ -215,13 +229,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 hub.told.add(worker)
 
     def do_POST(self):
-        if self.path != "/rollouts":
+        routes = {"/rollouts": self.rollouts if self.server.hub else None,
+                  "/v1/chat/completions": self.chat_completions if self.server.chat else None}
+        if not routes.get(self.path):
             return self.fail(404, f"no endpoint {self.path}")
         if not self.authorized():
             return self.fail(401, "missing or wrong bearer token")
         body = self.body()
         if body is not None:
-            self.rollouts(body)
+            routes[self.path](body)
 
     def body(self):
         """The request's body, or None once a 4xx said why not (no length, over body_limit_mb, cut short)."""
@@ -258,6 +274,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.reply(200, {"queued": len(hub.queue)})
 
 
+    def chat_completions(self, body):
+        """POST /v1/chat/completions: OpenAI's chat completion (or its server-sent events, with stream), answered by
+        the run's sampler (Chat)."""
+        try:
+            req = chat_request(body)
+            answer = self.server.chat.complete(req, self.headers.get("X-Flatrl-Episode"))
+        except BadRequest as e:
+            return self.fail(e.code, str(e), e.param)
+        except Exception as e:  # the sampler failed: the agent hears why (a 500), the server goes on
+            return self.fail(500, f"sampling failed: {type(e).__name__}: {e}")
+        if not req.get("stream"):
+            return self.reply(200, answer)
+        self.send_response(200)  # HTTP/1.0: the events end when the connection closes
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for event in [*stream_chunks(answer), "[DONE]"]:
+            self.wfile.write(f"data: {event if event == '[DONE]' else json.dumps(event)}\n\n".encode())
+
+
 class AsyncSource:
     """Batches pushed by rollout workers. Keeps the weights of the last max_staleness + 1 versions;
     a batch sampled by any older version is dropped (counted), never trained on."""
@@ -272,9 +307,9 @@ class AsyncSource:
         self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
         self.server = None  # under torchrun only rank 0 serves; the others get every batch from it (next_batch)
         if rank() == 0:
-            self.server = http.server.ThreadingHTTPServer((cfg.bind, cfg.port), Handler)
+            self.server = Server((cfg.bind, cfg.port), Handler)
             self.server.hub, self.server.cfg, self.server.expect, self.server.token = self.hub, cfg, self.expect, token
-            self.server.daemon_threads = True
+            self.server.chat = None
             threading.Thread(target=self.server.serve_forever, daemon=True).start()
             log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
         self.publish(version)
@@ -432,3 +467,237 @@ def run_worker(cfg, task, policy):
     log.bar.update(log.bar.total - log.bar.n)
     log.bar.close()
     log.say(f"worker {WORKER}: training finished after {n} batches")
+
+
+# --- the OpenAI-compatible endpoint: agents written against the chat API ---------------------------------
+
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+            "repetition_penalty", "logit_bias")  # the run decides these in training: a request's are counted, unused
+WAIT_S = 2.0  # a call waits up to this (a quarter of the last generate's time, 0.2 s at least) for other agents' calls
+
+
+class BadRequest(ValueError):
+    def __init__(self, message, param=None, code=400):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def chat_request(body):
+    """A /v1/chat/completions body -> the request (a dict), or BadRequest naming the first problem. Fields it does
+    not know are ignored."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        raise BadRequest("the body is not JSON")
+    if not isinstance(req, dict):
+        raise BadRequest("the body must be a JSON object")
+    if not isinstance(req.get("messages"), list) or not req["messages"]:
+        raise BadRequest("messages must be a non-empty list of messages", "messages")
+    for i, m in enumerate(req["messages"]):
+        check_message(m, f"messages[{i}]")
+    for key in ("n", "max_tokens", "max_completion_tokens"):
+        if req.get(key) is not None and (type(req[key]) is not int or req[key] < 1):
+            raise BadRequest(f"{key} must be a positive integer, not {req[key]!r}", key)
+    tools = req.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools)):
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}', "tools")
+    for key in ("stream", "logprobs", "return_token_ids"):
+        if not isinstance(req.get(key, False), bool):
+            raise BadRequest(f"{key} must be true or false", key)
+    return req
+
+
+def check_message(m, where):
+    roles = ("system", "user", "assistant", "tool")
+    if not isinstance(m, dict) or m.get("role") not in roles:
+        raise BadRequest(f"{where} must be a message with a role: one of {', '.join(roles)}", f"{where}.role")
+    content = m.get("content")
+    parts = isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                              isinstance(p.get("text"), str) for p in content)
+    if not (isinstance(content, str) or parts or content is None and m["role"] == "assistant"):
+        raise BadRequest(f"{where}.content must be text or a list of text parts (no images or audio)",
+                         f"{where}.content")
+    calls = m.get("tool_calls") or []
+    if not (isinstance(calls, list) and all(map(well_formed_call, calls))):
+        raise BadRequest(f"{where}.tool_calls must be a list of calls, each a function with a name and JSON "
+                         "arguments", f"{where}.tool_calls")
+
+
+def well_formed_call(call):
+    try:
+        return isinstance(call["function"]["name"], str) and isinstance(json_args(call["function"]["arguments"]), dict)
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
+def chat_response(policy, model, req, prompt, replies):
+    """The completion's body: replies [(ids, logps)] as OpenAI's choices (tool calls parsed where tools were
+    offered), plus vLLM's token fields when logprobs or return_token_ids was asked."""
+    choices, tokens = [], req.get("logprobs") or req.get("return_token_ids")
+    for i, (ids, logps) in enumerate(replies):
+        text = policy.tok.decode(ids, skip_special_tokens=True)
+        ended = policy.ended(ids)  # a reply cut at max_tokens calls nothing, as in tasks.play
+        content, calls = parse_tool_calls(text, req["tools"]) if req.get("tools") and ended else (text, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                      "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                     for c in calls]
+        finish = "tool_calls" if calls else "stop" if ended else "length"
+        choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
+        if tokens:
+            pieces = [policy.tok.decode([t]) for t in ids]
+            choices[-1]["token_ids"] = ids
+            choices[-1]["logprobs"] = {"content": [{"token": p, "bytes": list(p.encode()), "logprob": lp,
+                                                    "top_logprobs": []} for p, lp in zip(pieces, logps)]}
+    n_out = sum(len(ids) for ids, _ in replies)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, **({"prompt_token_ids": prompt} if tokens else {}),
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out}}
+
+
+def stream_chunks(answer):
+    """A completion as server-sent chunks: each choice whole in one delta, then its finish_reason."""
+    head = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
+            "model": answer["model"]}
+    for c in answer["choices"]:
+        delta = {"role": "assistant", "content": c["message"]["content"]}
+        if "tool_calls" in c["message"]:
+            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(c["message"]["tool_calls"])]
+        yield {**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None,
+                                    "logprobs": c["logprobs"]}]}
+        yield {**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]}
+
+
+def same_chat(a, b):
+    """Do two lists of OpenAI messages say the same (roles, text, calls; call ids and other fields aside)?"""
+    return [template_message(m, True, True) for m in a] == [template_message(m, True, True) for m in b]
+
+
+class Chat:
+    """/v1/chat/completions on the run's sampler. The calls of an agent run (AgentTask's client sends its id in
+    X-Flatrl-Episode) are recorded apart: the prompt ids, the sampled ids and their logprobs. Where a call's messages
+    are the previous call's and its reply, unchanged, plus new ones, its prompt is that call's prompt and reply as
+    sampled plus the new messages' ids: nothing sampled is tokenized again. In training the run's temperature
+    samples (the loss models exactly it) and max_tokens is capped at max_new_tokens; evaluation is greedy. Calls
+    that come while others' agents are still running wait for them (up to a quarter of the last generate's time, within
+    0.2 s and WAIT_S: an agent busy elsewhere costs the others little): one generate samples them all."""
+
+    def __init__(self, policy, cfg):
+        self.policy, self.cfg, self.cond = policy, cfg, threading.Condition()
+        self.waiting, self.busy = [], False  # calls for the next generate; a generate under way
+        self.runs, self.running = {}, set()  # agent run id -> {"calls": [...], "error": cause}; agents not returned
+        self.order = {}  # the open runs' ids -> their place (calls are sampled in that order)
+        self.greedy, self.ignored = False, 0  # evaluation; training calls that set sampling fields
+        self.wait_s = WAIT_S  # how long a call waits for the other running agents' calls (sample)
+
+    def open(self, runs, greedy):
+        with self.cond:
+            self.runs.update({r: {"calls": [], "error": None} for r in runs})
+            self.order = {r: i for i, r in enumerate(runs)}
+            self.running.update(runs)
+            self.greedy = greedy
+
+    def returned(self, run):
+        with self.cond:
+            self.running.discard(run)
+            self.cond.notify_all()
+
+    def close(self, runs):
+        """-> each run's record; its agent, if still running, is cut off: its later calls are refused (410)."""
+        with self.cond:
+            self.running.difference_update(runs)
+            self.cond.notify_all()
+            return [self.runs.pop(r) for r in runs]
+
+    def complete(self, req, run=None):
+        """A checked request -> the completion's body; the call recorded in its agent run."""
+        n, cap = req.get("n", 1), min(req.get("max_completion_tokens") or req.get("max_tokens") or 2**31,
+                                      self.cfg.max_new_tokens)
+        with self.cond:
+            record = self.runs.get(run)
+            if run is not None and record is None:
+                raise BadRequest("this agent run has ended (finished, or cut off at --agent-timeout)", code=410)
+            if record is not None and len(record["calls"]) >= self.cfg.max_turns:
+                record["error"] = "turns"
+                raise BadRequest(f"an agent run makes at most --max-turns {self.cfg.max_turns} calls")
+            if record is not None and n != 1:
+                raise BadRequest("an agent run's calls sample one reply each (n = 1)", "n")
+            greedy = self.greedy if record is not None else req.get("temperature") == 0
+            self.ignored += record is not None and not greedy and any(k in req for k in SAMPLING)
+        last = record["calls"][-1] if record and record["calls"] else None
+        prompt = self.prompt(req, last)
+        replies = self.sample(prompt, n, cap, greedy, run)
+        answer = chat_response(self.policy, self.cfg.model, req, prompt, replies)
+        if record is not None:
+            (ids, logps), = replies
+            record["calls"].append({"messages": req["messages"], "tools": req.get("tools"), "prompt": prompt,
+                                    "ids": ids, "logps": logps, "reply": answer["choices"][0]["message"]})
+        return answer
+
+    def prompt(self, req, last):
+        """The prompt's ids: the last call's prompt and reply as sampled plus the new messages where the request
+        extends that call unchanged (its messages, its tools, its reply); else the whole chat rendered."""
+        m, k = req["messages"], len(last["messages"]) + 1 if last else 0
+        if last and len(m) > k and req.get("tools") == last["tools"] and same_chat(m[:k], last["messages"] +
+                                                                                   [last["reply"]]):
+            return last["prompt"] + last["ids"] + self.policy.env_ids(m[k:], last["ids"][-1])
+        return self.policy.prompt_ids(m, req.get("tools"))
+
+    def sample(self, prompt, n, cap, greedy, run=None):
+        """n replies [(ids, logps)] to one prompt. The call waits while a generate is under way, and a while (wait_s)
+        while running agents have yet to call; then the first call still waiting samples every waiting one."""
+        mine, until = {"prompt": prompt, "n": n, "cap": cap, "greedy": greedy, "run": run}, time.time() + self.wait_s
+        with self.cond:
+            self.waiting.append(mine)
+            self.cond.notify_all()
+            while "out" not in mine and (self.busy or len(self.waiting) < len(self.running) and time.time() < until):
+                self.cond.wait(max(until - time.time(), 0.01))
+            if "out" not in mine:
+                todo, self.waiting, self.busy = self.waiting, [], True
+        if "out" not in mine:
+            start = time.time()
+            try:
+                self.generate(todo)
+            finally:
+                self.wait_s = min(WAIT_S, max(0.2, (time.time() - start) / 4))
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+        if isinstance(mine["out"], Exception):
+            raise mine["out"]
+        return mine["out"]
+
+    def generate(self, calls):
+        """The calls' replies, in the order their agent runs were opened (so a seed gives the same samples): calls
+        with the same prompt share one prefill, as a group's agents do at their first call, and each distinct count of
+        replies per prompt is one generate. Each reply is cut to its call's max_tokens."""
+        asks = {}  # (prompt, greedy, a call that wants n > 1 on its own) -> the calls asking it
+        for c in sorted(calls, key=lambda c: self.order.get(c["run"], len(self.order))):
+            asks.setdefault((tuple(c["prompt"]), c["greedy"], id(c) if c["n"] > 1 else 0), []).append(c)
+        batches = {}  # (replies per prompt, greedy) -> [(prompt, its calls)]
+        for (prompt, greedy, _), alike in asks.items():
+            batches.setdefault((sum(c["n"] for c in alike), greedy), []).append((prompt, alike))
+        for (n, greedy), work in batches.items():
+            try:
+                ids, logps = self.policy.sample([list(p) for p, _ in work], n, greedy, record=True,
+                                                max_new=max(c["cap"] for _, alike in work for c in alike))
+            except Exception as e:  # every call waiting on this generate hears of it
+                ids, logps = [e] * len(work) * n, [None] * len(work) * n
+            replies = iter(zip(ids, logps))
+            for _, alike in work:
+                for c in alike:
+                    out = list(itertools.islice(replies, c["n"]))
+                    c["out"] = out[0][0] if isinstance(out[0][0], Exception) else [
+                        (x[:c["cap"]], lp[:c["cap"]]) for x, lp in out]
+
+
+def serve_chat(policy, cfg, bind="127.0.0.1", port=0):
+    """The endpoint alone (AgentTask's, in every process that plays agents; train.py --serve) -> its server."""
+    server = Server((bind, port), Handler)
+    server.hub, server.cfg, server.expect, server.chat = None, cfg, None, Chat(policy, cfg)
+    server.token = os.environ.get("FLATRL_TOKEN") or None
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

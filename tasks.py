@@ -6,9 +6,12 @@ Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played a
 more turns (LLMTask.play: read it second, after train.py's step; then algos.py). TASKS maps --task to a class.
 """
 import ast
+import collections
 import contextlib
+import importlib.util
 import inspect
 import json
+import math
 import operator
 import os
 import random
@@ -17,14 +20,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from fractions import Fraction
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from utils import Batch, all_reduce_sum, rank, reply_ends, world
+from model import TOOL_CALL, plain_call, tool_schema
+from utils import Batch, all_reduce_sum, non_dumpable, rank, reply_ends, world
 
 
 class GymTask:
@@ -387,20 +393,26 @@ class Countdown(LLMTask):
         return countdown_correct(prompt, completion, answer)
 
 
-RUNNER = """import resource, sys
+RUNNER = """import ctypes, resource, sys
+libc = ctypes.CDLL(None)
+for cap in range(64):  # as root: no capability comes back with an exec (PR_CAPBSET_DROP; EPERM for other users)
+    libc.prctl(24, cap)
+libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())  # and none now: no CAP_SYS_PTRACE
 cpu, mem, out = map(int, sys.argv[1:4])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # seconds of CPU, then SIGXCPU
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))  # bytes of address space: a bigger allocation fails
 resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))  # bytes written to a file (stdout is one), then EFBIG
-del resource, sys, cpu, mem, out
+del ctypes, resource, sys, libc, cap, cpu, mem, out
 exec(compile(open("main.py").read(), "main.py", "exec"))
 """
 
 
 def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
     """Model-written Python in a subprocess with CPU, memory, output and wall-clock limits, an empty environment,
-    a temporary folder; then its process group killed. -> its output, or "error: ..." naming the limit.
+    a temporary folder, no capabilities (a root trainer's code cannot read what a non-dumpable process hides); then
+    its process group killed. The trainer is made non-dumpable first. -> its output, or "error: ..." naming the limit.
     Not a security sandbox (README)."""
+    non_dumpable()
     with tempfile.TemporaryDirectory(prefix="flatrl-run-") as d:
         with open(os.path.join(d, "main.py"), "w") as f:
             f.write(code)
@@ -425,9 +437,6 @@ def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
     return text if status == 0 else f"error: exit code {status}\n{text[-2000:]}"
 
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)  # Hermes style, as Qwen2.5 and Hermes models write
-
-
 class ToolTask(LLMTask):
     """Tools are environment replies: a reply that calls one of `tools` (typed, documented functions) gets the result
     as the next message; a reply without a call is the answer. A call: <tool_call>{"name": ..., "arguments": {...}}
@@ -437,11 +446,8 @@ class ToolTask(LLMTask):
         """The call a reply makes, as JSON text, or None when the reply is an answer."""
         if found := TOOL_CALL.search(reply):
             return found.group(1)
-        plain, tools = re.match(r"\s*(\w+):[ \t]*([^\n]*)", reply), {f.__name__: f for f in self.tools}
-        if not (plain and plain[1] in tools):
-            return None
-        first = next(iter(inspect.signature(tools[plain[1]]).parameters))  # `name: argument` fills the first parameter
-        return json.dumps({"name": plain[1], "arguments": {first: plain[2]}})
+        plain = plain_call(reply, [tool_schema(f) for f in self.tools])
+        return json.dumps({"name": plain[0], "arguments": plain[1]}) if plain else None
 
     def env_response(self, question, answer, turns):
         call = self.find_call(turns[-1])
@@ -513,6 +519,164 @@ class Calc(ToolTask):
                 {"role": "user", "content": question + ask}]
 
 
+def agent_rows(calls):
+    """An agent run's recorded calls -> its training rows [(prompt, tail, mask, sampler logps)]. A call whose prompt
+    is the previous call's prompt and reply plus what the agent added continues the row (the added ids trained 0,
+    the reply 1): tasks.play's episode, token for token. A call whose prompt does not extend it (the agent rewrote
+    its history) starts a row of its own."""
+    rows = []
+    for c in calls:
+        seen = rows[-1][0] + rows[-1][1] if rows else None
+        if seen is not None and c["prompt"][:len(seen)] == seen:
+            prompt, tail, mask, logps = rows[-1]
+            added = c["prompt"][len(seen):]
+            rows[-1] = (prompt, tail + added + c["ids"], mask + [0] * len(added) + [1] * len(c["ids"]),
+                        logps + [0.0] * len(added) + c["logps"])
+        else:
+            rows.append((c["prompt"], c["ids"], [1] * len(c["ids"]), c["logps"]))
+    return rows
+
+
+class AgentTask(LLMTask):
+    """An agent program written against the OpenAI chat API, trained as it is. A subclass gives problem(rng) and
+    agent(client, question): `client` is an openai.OpenAI on this process's endpoint (serve.Chat, on the run's
+    sampler; any model name), and the agent returns its answer, a text scored by the task's rewards and correct as a
+    reply is, or a float reward (an environment's own grader). A step's agent runs go at once, in threads (their
+    calls sampled together); each call's tokens are recorded and become training rows (agent_rows). An agent that
+    raises, runs past --agent-timeout, calls more than --max-turns times, never calls, or answers neither a text nor
+    a number gets reward 0, counted in agent_errors_<cause>."""
+    server = None  # this process's endpoint, started by the first play
+
+    def __init__(self, cfg):
+        if importlib.util.find_spec("openai") is None:  # the agents' client
+            raise SystemExit('config error: agent tasks need the openai package: pip install -e ".[agents]"')
+        super().__init__(cfg)
+
+    def agent(self, client, question):
+        raise NotImplementedError
+
+    def reward(self, prompt, completion, answer):
+        return completion if isinstance(completion, float) else super().reward(prompt, completion, answer)
+
+    def correct(self, prompt, completion, answer):
+        return float(completion >= 1) if isinstance(completion, float) else super().correct(prompt, completion, answer)
+
+    def run_agents(self, policy, problems, n, greedy):
+        """n agent runs per problem, at once -> [(outcome, error cause or None, the run's calls)]."""
+        import httpx
+        import openai
+        from serve import serve_chat
+        if self.server is None:
+            self.server, self.http = serve_chat(policy, self.cfg), httpx.Client()  # one connection pool for all
+        non_dumpable()  # an agent may run model-written code
+        chat, url = self.server.chat, f"http://127.0.0.1:{self.server.server_port}/v1"
+        runs = [uuid.uuid4().hex for _ in range(len(problems) * n)]
+        outcomes = [None] * len(runs)
+        chat.open(runs, greedy)
+
+        clients = [openai.OpenAI(base_url=url, api_key=os.environ.get("FLATRL_TOKEN") or "flatrl", max_retries=0,
+                                 timeout=self.cfg.agent_timeout, http_client=self.http,
+                                 default_headers={"X-Flatrl-Episode": run}) for run in runs]
+
+        def go(e):
+            try:
+                outcomes[e] = self.agent(clients[e], problems[e // n][0])
+            except Exception as error:  # the agent's own failure: reward 0, and the run goes on
+                outcomes[e] = error
+            finally:
+                chat.returned(runs[e])
+        threads = [threading.Thread(target=go, args=(e,), daemon=True) for e in range(len(runs))]
+        for t in threads:
+            t.start()
+        end = time.time() + self.cfg.agent_timeout
+        for t in threads:
+            t.join(max(0.0, end - time.time()))
+        records = chat.close(runs)  # a thread still running is cut off: its later calls are refused
+        return [agent_result(out, rec, t.is_alive()) for out, rec, t in zip(outcomes, records, threads)]
+
+    def play(self, policy, problems, n, greedy=False):
+        """-> (Batch: every run's rows, each group's rows adjacent; per run (outcome, cause, calls); each row's run)"""
+        runs, rows, of = self.run_agents(policy, problems, n, greedy), [], []
+        for e, (_, _, calls) in enumerate(runs):
+            mine = agent_rows(calls) or [(policy.prompt_ids(self.build_prompt(problems[e // n][0]), self.tools),
+                                          [], [], [])]  # no call: an empty row keeps the group whole
+            rows += mine
+            of += [e] * len(mine)
+        prompts, tails, masks, logps = map(list, zip(*rows))
+        cut = [bool(t) and not policy.ended(t) and of[r + 1:r + 2] != [of[r]] for r, t in enumerate(tails)]
+        batch = policy.to_batch(prompts, tails, masks, logps if self.cfg.record_sampler else None, cut,
+                                group=[e // n for e in of])
+        return batch, runs, of
+
+    def rollout(self, policy, step):
+        problems, G, t = self.train_problems(step)[rank()::world()], self.cfg.group_size, time.time()
+        batch, runs, of = self.play(policy, problems, G)
+        gen_s, ends, d = time.time() - t, reply_ends(batch.mask), self.cfg.turn_discount
+        right, R = [], []
+        for e, (outcome, _, calls) in enumerate(runs):
+            q, a = problems[e // G]
+            right.append(self.correct(self.build_prompt(q), outcome, a))
+            sampled = sum(len(c["ids"]) for c in calls)
+            R.append(self.reward(self.build_prompt(q), outcome, a) +
+                     overlong_penalty(sampled, self.max_len, self.cfg.overlong_buffer))
+        later = [0] * len(runs)  # replies of the run after this row (rows are in order: walked backwards)
+        for r in reversed(range(len(of))):
+            e, k = of[r], int(ends[r].sum())
+            if k:  # the row's last reply carries the run's reward, discounted as the replies after it
+                to_end = len(runs[e][2]) - 1 if self.cfg.credit == "episode" else later[e]
+                batch.rewards[r, ends[r].nonzero()[-1]] = R[e] * d**to_end
+            later[e] += k
+        batch.stats = {"accuracy": sum(right) / len(runs), "gen_s": gen_s,
+                       "gen_tok_s": batch.mask.sum().item() / gen_s, **self.agent_stats(runs)}
+        return batch
+
+    def agent_stats(self, runs):
+        causes = collections.Counter(cause for _, cause, _ in runs if cause)
+        ignored, self.server.chat.ignored = self.server.chat.ignored, 0
+        return {"turns": sum(len(calls) for _, _, calls in runs) / len(runs), "agent_errors": sum(causes.values()),
+                **{f"agent_errors_{k}": v for k, v in causes.items()}, "agent_sampling_ignored": ignored}
+
+    def evaluate(self, policy, step):
+        """Greedy held-out accuracy of the agents' answers (eval_acc); pass@k; samples.jsonl."""
+        mine = self.eval_set[rank()::world()]
+        prompts = [self.build_prompt(q) for q, _ in mine]
+        runs = self.play(policy, mine, 1, greedy=True)[1]
+        out = {"eval_acc": self.solved_fraction(mine, prompts, [o for o, _, _ in runs], 1),
+               **{f"eval_{k}": v for k, v in self.agent_stats(runs).items()}}
+        if self.cfg.eval_k:
+            outcomes = [o for o, _, _ in self.play(policy, mine, self.cfg.eval_k)[1]]
+            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, outcomes, self.cfg.eval_k)
+        save_samples(self.cfg, step, mine, [[{"role": "assistant", "content": str(o)}] for o, _, _ in runs])
+        return out
+
+
+def agent_result(outcome, record, still_running):
+    """-> (the outcome: the agent's answer, or 0.0 on an error; the error's cause or None; the run's calls)"""
+    number = isinstance(outcome, (int, float)) and not isinstance(outcome, bool) and math.isfinite(outcome)
+    cause = ("timeout" if still_running else record["error"] or "raised" if isinstance(outcome, Exception) else
+             "no_call" if not record["calls"] else None if isinstance(outcome, str) or number else "answer")
+    return (0.0 if cause else float(outcome) if number else outcome), cause, record["calls"]
+
+
+class CalcAgent(AgentTask, Calc):
+    """Calc's problems and prompt, played by an agent written against the OpenAI API: it offers the calculator as a
+    tool, runs the calls the replies make (Calc's own tool, its results word for word) and sends the results back,
+    until a reply calls nothing: that reply is the answer."""
+
+    def agent(self, client, question):
+        messages = self.build_prompt(question)
+        for calls in range(self.cfg.max_turns):
+            reply = client.chat.completions.create(model="flatrl", messages=messages,
+                                                   tools=[tool_schema(calculator)]).choices[0].message
+            if not reply.tool_calls:
+                return reply.content or ""
+            messages.append(reply.model_dump(exclude_none=True))
+            for call in reply.tool_calls:
+                spec = json.dumps({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": self.call(spec, calls)})
+        return ""  # out of turns: no answer
+
+
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' loader per suffix
 
 
@@ -577,5 +741,6 @@ class DataTask(LLMTask):
         return final_number_match(prompt, completion, answer)
 
 
-TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc, "data": DataTask,
+TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc,
+         "calc_agent": CalcAgent, "data": DataTask,
          "jsonl": DataTask}  # jsonl: data's other name, which older configs use

@@ -12,6 +12,7 @@ import gc
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -21,11 +22,11 @@ from safetensors import safe_open
 import config as config_lib
 from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, value_loss
 from model import HFPolicy, MLPPolicy, check_parity, save_adapter
-from serve import WORKER, AsyncSource, SyncSource, run_worker
+from serve import WORKER, AsyncSource, SyncSource, run_worker, serve_chat
 from tasks import TASKS
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
-                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank, reshard,
-                   rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
+                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, loopback, masked_mean, peak_flops, rank,
+                   reshard, rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
 
 
 def build(cfg):
@@ -335,9 +336,9 @@ def results_line(cfg, log, llm):
 def main(argv=None):
     began = time.time()  # the run's clock (time_s, "solved after"): from here, the model's loading included
     cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
-    if cfg.ask and not (TASKS[cfg.task].llm and cfg.resume):
-        raise SystemExit("config error: --ask answers with a trained LLM run: python train.py --resume RUN_DIR "
-                         "--ask '...'")
+    if (cfg.ask or cfg.serve) and not (TASKS[cfg.task].llm and cfg.resume):
+        raise SystemExit("config error: --ask and --serve answer with a trained LLM run: python train.py --resume "
+                         "RUN_DIR --ask '...' (or --serve)")
     setup(cfg)
     task, policy = build(cfg)
     freeze_start_up()
@@ -354,11 +355,28 @@ def main(argv=None):
     if cfg.ask:
         print(policy.generate([cfg.ask], 1, greedy=True)[1][0])
         return None
+    if cfg.serve:
+        return serve_forever(cfg, policy)
     if rank() == 0:  # only now: a refused command (above) leaves the run folder as it was
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
         return run_worker(cfg, task, policy)
     return run(cfg, task, policy, opt, start, began - seconds_before)
+
+
+def serve_forever(cfg, policy):
+    """--serve: the trained run on OpenAI's chat API (/v1/chat/completions, /v1/models) until Ctrl-C."""
+    if not loopback(cfg.bind) and not os.environ.get("FLATRL_TOKEN"):
+        raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (clients send it as the "
+                         "API key)")
+    server = serve_chat(policy, cfg, cfg.bind, cfg.port)
+    print(f"serving {cfg.out} at http://{cfg.bind}:{server.server_port}/v1 (OpenAI chat completions; Ctrl-C stops)",
+          flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        server.shutdown()
+        raise SystemExit(130)
 
 
 def evaluation(cfg, task, policy, step):

@@ -218,6 +218,14 @@ def keep_freed_memory():
         libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD = -1: never trim
 
 
+def non_dumpable():
+    """No process of this user may read this one's memory or /proc/<pid>/environ (FLATRL_TOKEN, hub tokens): called
+    before model-written code runs (tasks.run_python, agent tasks). What it costs: no debugger or profiler can attach
+    (py-spy, gdb) and a crash writes no core dump. Linux only; elsewhere nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE = 4
+
+
 def loopback(host):
     """Is `host` this machine's loopback address (127.x, ::1, localhost)?"""
     try:

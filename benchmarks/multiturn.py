@@ -1,13 +1,15 @@
 """Multi-turn, per-turn credit and tool use on SmolLM2-135M-Instruct, 2-core CPU, at equal wall time.
 configs/arith_grpo_cpu.yaml (one reply), configs/arith_multiturn_cpu.yaml (a wrong reply is told so, up to
 3 replies), configs/arith_multiturn_turn_cpu.yaml (the same with --credit turn), configs/calc_grpo_cpu.yaml
-(a calculator tool) and the same without the tool (--runs picks), each in a fresh process for --budget seconds (then Ctrl-C: the run saves and stops), held-out
+(a calculator tool), the same without the tool, and configs/calc_agent_cpu.yaml (the calculator task played by an
+agent written against the OpenAI API, through flatrl's endpoint) (--runs picks), each in a fresh process for --budget seconds (then Ctrl-C: the run saves and stops), held-out
 greedy evaluation every --eval-every steps and at step 0 (before any update). Prints, per run: seconds per
 step, generated tokens per step, and eval_acc / eval_acc_turn1 at equal wall times.
 
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0 1 --runs multi-turn turn-credit
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 900 --seeds 0 1 --runs calc calc-no-tools
+    HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0 1 --runs calc calc-agent
 """
 import argparse
 import csv
@@ -24,7 +26,8 @@ RUNS = {"single-turn": ["--config", "configs/arith_grpo_cpu.yaml"],
         "multi-turn": ["--config", "configs/arith_multiturn_cpu.yaml"],
         "turn-credit": ["--config", "configs/arith_multiturn_turn_cpu.yaml"],
         "calc": ["--config", "configs/calc_grpo_cpu.yaml"],
-        "calc-no-tools": ["--config", "configs/calc_grpo_cpu.yaml", "--max-tool-calls", "0"]}
+        "calc-no-tools": ["--config", "configs/calc_grpo_cpu.yaml", "--max-tool-calls", "0"],
+        "calc-agent": ["--config", "configs/calc_agent_cpu.yaml"]}
 
 
 def run(flags, seed, budget, eval_every, out):
@@ -76,7 +79,7 @@ def main():
                           + "".join(f", {k} {r[k]:.3f}" for k in ("eval_acc_turn1", "eval_tool_use") if k in r))
                 for r in res[name]["trained"]:
                     print(f"  step {r['step']:.0f}: reward {r['reward']:.3f}, turns {r.get('turns', 1):.2f}"
-                          + "".join(f", {k} {r[k]:.2f}" for k in ("tool_calls", "tool_errors") if k in r))
+                          + "".join(f", {k} {r[k]:.2f}" for k in ("tool_calls", "tool_errors", "agent_errors") if k in r))
         print(f"\nseed {seed} | s/step (median) | generated tokens/step | replies/episode | "
               + " | ".join(f"eval_acc (turn 1) by {m:.0f} s" for m in marks))
         print("|---" * (4 + len(marks)) + "|")

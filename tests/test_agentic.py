@@ -259,14 +259,16 @@ print(run_python("import os; print(sorted(os.environ)); print(open(f'/proc/{os.g
 """
 
 
-def test_what_model_written_code_can_see_of_the_trainers_secrets():
-    """As the README says: the code's own environment is empty, but the trainer's is readable through /proc by code
-    running as the same user, secrets included; run_python is no sandbox."""
+def test_model_written_code_cannot_read_the_trainers_secrets():
+    """The code's own environment is empty, and the trainer's (/proc/<trainer>/environ, FLATRL_TOKEN) is closed to
+    it: run_python makes the trainer non-dumpable, and the code runs without capabilities (this suite may run as
+    root, which reads any process's /proc otherwise). Before: the parent's environment, token and all."""
     env = {**os.environ, "FLATRL_TOKEN": "s3cret"}
     out = subprocess.run([sys.executable, "-c", TRAINER], capture_output=True, text=True, env=env, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     own, parents = out.split("\n", 1)
-    assert "FLATRL_TOKEN" not in own and "FLATRL_TOKEN=s3cret" in parents  # (Python may set LC_CTYPE in its own)
+    assert "FLATRL_TOKEN" not in own and "s3cret" not in parents
+    assert "PermissionError" in parents  # refused, not merely empty
 
 
 def test_the_monte_carlo_check_catches_a_biased_estimator():

@@ -178,12 +178,14 @@ def undocumented(columns):
 
 
 def test_every_column_a_run_writes_is_in_the_readmes_table(tiny_llm, tmp_path):
-    """Collected from a sync LLM run (multi-turn, pass@k), a tool run, and an async trainer with a worker (TIS)."""
+    """Collected from a sync LLM run (multi-turn, pass@k), a tool run, an agent run, and an async trainer with a
+    worker (TIS)."""
     from test_serve import CARTPOLE, finish, free_port, spawn
     tiny = ["--model", tiny_llm, "--algo", "grpo", "--group-size", "2", "--batch-size", "4", "--steps", "1",
             "--max-new-tokens", "6", "--n-eval", "2", "--lora-r", "2"]
     train.main(["--task", "arith", *tiny, "--max-turns", "2", "--eval-k", "2", "--out", str(tmp_path / "sync")])
     train.main(["--task", "calc", *tiny, "--max-turns", "2", "--out", str(tmp_path / "tool")])
+    train.main(["--task", "calc_agent", *tiny, "--max-turns", "2", "--out", str(tmp_path / "agent")])
     port = free_port()
     trainer = spawn(*CARTPOLE, "--role", "trainer", "--port", str(port), "--steps", "3", "--tis-clip", "2",
                     "--out", str(tmp_path / "trainer"))
@@ -191,10 +193,11 @@ def test_every_column_a_run_writes_is_in_the_readmes_table(tiny_llm, tmp_path):
                    "--out", str(tmp_path / "worker"))
     finish(trainer), finish(worker)
     columns = {}
-    for run in ("sync", "tool", "trainer", "worker"):
+    for run in ("sync", "tool", "agent", "trainer", "worker"):
         columns[run] = set(csv.DictReader(open(tmp_path / run / "metrics.csv")).fieldnames)
     assert {"eval_acc_turn1", "eval_pass@2", "turns"} <= columns["sync"]
     assert {"tool_calls", "eval_tool_errors"} <= columns["tool"]
+    assert {"agent_errors", "agent_sampling_ignored", "eval_turns", "eval_agent_errors"} <= columns["agent"]
     assert {"tis_weight", "staleness_max", "rejected"} <= columns["trainer"] and "status" in columns["worker"]
     assert undocumented(set.union(*columns.values())) == []
     assert undocumented({"eval_pass@16", "dropped_late", "new_metric"}) == ["dropped_late", "new_metric"]

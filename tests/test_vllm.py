@@ -200,6 +200,25 @@ class TestVLLM:
         assert (at_1 - batch.sampler_logp[m]).abs().mean() > 1e-2   # not the raw logits'
         assert not torch.isclose(at_07, at_1).all()
 
+    def test_the_chat_endpoint_on_vllm_reports_the_tokens_and_logprobs_the_trainer_scores(self, vpolicy):
+        import openai
+        from serve import serve_chat
+        server = serve_chat(vpolicy, vpolicy.cfg)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="x",
+                               _strict_response_validation=True)
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        r = client.chat.completions.create(model="m", messages=messages, logprobs=True, n=2,
+                                           extra_body={"return_token_ids": True})
+        server.shutdown()
+        prompt = r.model_extra["prompt_token_ids"]
+        assert prompt == vpolicy.prompt_ids(messages)
+        ids = [c.model_extra["token_ids"] for c in r.choices]
+        batch = vpolicy.to_batch([prompt] * 2, ids)
+        with torch.no_grad():
+            trainer = vpolicy.score(batch)["logp"][batch.mask > 0]
+        sampler = torch.tensor([t.logprob for c in r.choices for t in c.logprobs.content])
+        assert (trainer - sampler).abs().mean() < 1e-3  # fp32 both sides: what vLLM sampled is what is trained
+
     def test_multi_turn_assistant_logprobs_match_the_trainer_in_fp32(self, vpolicy, monkeypatch):
         class Doubting(Arith):  # asks again whatever the reply: every episode that ends a reply gets a next turn
             def env_response(self, question, answer, turns):
