@@ -640,11 +640,11 @@ class Chat:
     def prompt(self, req, last):
         """The prompt's ids: the last call's prompt and reply as sampled plus the new messages where the request
         extends that call unchanged (its messages, its tools, its reply); else the whole chat rendered."""
-        m, k = req["messages"], len(last["messages"]) + 1 if last else 0
-        if last and len(m) > k and req.get("tools") == last["tools"] and same_chat(m[:k], last["messages"] +
-                                                                                   [last["reply"]]):
+        m, tools = req["messages"], req.get("tools")
+        k = len(last["messages"]) + 1 if last else 0  # the last call's messages and its reply
+        if last and len(m) > k and tools == last["tools"] and same_chat(m[:k], [*last["messages"], last["reply"]]):
             return last["prompt"] + last["ids"] + self.policy.env_ids(m[k:], last["ids"][-1])
-        return self.policy.prompt_ids(m, req.get("tools"))
+        return self.policy.prompt_ids(m, tools)
 
     def sample(self, prompt, n, cap, greedy, run=None):
         """n replies [(ids, logps)] to one prompt. The call waits while a generate is under way, and a while (wait_s)

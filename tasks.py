@@ -653,8 +653,16 @@ class AgentTask(LLMTask):
 def agent_result(outcome, record, still_running):
     """-> (the outcome: the agent's answer, or 0.0 on an error; the error's cause or None; the run's calls)"""
     number = isinstance(outcome, (int, float)) and not isinstance(outcome, bool) and math.isfinite(outcome)
-    cause = ("timeout" if still_running else record["error"] or "raised" if isinstance(outcome, Exception) else
-             "no_call" if not record["calls"] else None if isinstance(outcome, str) or number else "answer")
+    if still_running:
+        cause = "timeout"
+    elif record["error"]:  # the endpoint's: "turns"
+        cause = record["error"]
+    elif isinstance(outcome, Exception):
+        cause = "raised"
+    elif not record["calls"]:
+        cause = "no_call"
+    else:
+        cause = None if isinstance(outcome, str) or number else "answer"
     return (0.0 if cause else float(outcome) if number else outcome), cause, record["calls"]
 
 

@@ -337,8 +337,9 @@ def main(argv=None):
     began = time.time()  # the run's clock (time_s, "solved after"): from here, the model's loading included
     cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
     if (cfg.ask or cfg.serve) and not (TASKS[cfg.task].llm and cfg.resume):
-        raise SystemExit("config error: --ask and --serve answer with a trained LLM run: python train.py --resume "
-                         "RUN_DIR --ask '...' (or --serve)")
+        flag = "--ask answers" if cfg.ask else "--serve serves"
+        raise SystemExit(f"config error: {flag} with a trained LLM run: python train.py --resume RUN_DIR "
+                         f"{'--ask ...' if cfg.ask else '--serve'}")
     setup(cfg)
     task, policy = build(cfg)
     freeze_start_up()

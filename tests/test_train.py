@@ -413,6 +413,7 @@ def test_progress_bar_counts_done_steps(tmp_path):
     (["--task", "arith", "--model", "nobody/no-such-model", "--steps", "1"], "cannot load --model nobody/no-such-model"),
     (["--config", "TYPO"], "unknown key 'learning_rate'"),
     (["--task", "arith", "--ask", "hi"], "--ask answers with a trained LLM run"),
+    (["--task", "arith", "--serve"], "--serve serves with a trained LLM run"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "sees no CUDA GPU: use --device cpu")]))
 def test_user_mistakes_are_one_line_errors(tmp_path, argv, needle):
     (tmp_path / "EMPTY").mkdir()
