@@ -147,6 +147,15 @@ class Server(http.server.ThreadingHTTPServer):
     daemon_threads, request_queue_size = True, 256
 
 
+def bind_token(bind):
+    """FLATRL_TOKEN, the bearer token every request must carry (None: none asked); refused without one for an
+    address other than loopback."""
+    token = os.environ.get("FLATRL_TOKEN") or None
+    if not loopback(bind) and token is None:
+        raise SystemExit(f"refusing to bind {bind} without a token: set FLATRL_TOKEN (its clients send it too)")
+    return token
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     """The trainer's HTTP routes, one method each. What they share (the Hub, the config, the expected tensors, the
     token) hangs on the server: self.server.hub and so on (AsyncSource sets them)."""
@@ -168,7 +177,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def fail(self, code, msg, param=None):
         """An error in OpenAI's shape (its clients read it; so do flatrl's workers)."""
-        if self.path == "/rollouts" and self.server.hub:
+        if self.command == "POST" and self.server.hub:  # the trainer's count of refused pushes
             with self.server.hub.cond:
                 self.server.hub.counts["rejected"] += 1
         kinds = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
@@ -298,9 +307,7 @@ class AsyncSource:
     a batch sampled by any older version is dropped (counted), never trained on."""
 
     def __init__(self, task, policy, cfg, log, version):
-        token = os.environ.get("FLATRL_TOKEN") or None
-        if not loopback(cfg.bind) and token is None:
-            raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (workers need it too)")
+        token = bind_token(cfg.bind)
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
         self.snapshots = {}  # version -> the trainable weights that sampled it
         self.staleness, self.expect = [], Expect(task, policy)  # staleness: this step's, for stats()
@@ -696,8 +703,8 @@ class Chat:
 
 def serve_chat(policy, cfg, bind="127.0.0.1", port=0):
     """The endpoint alone (AgentTask's, in every process that plays agents; train.py --serve) -> its server."""
+    token = bind_token(bind)
     server = Server((bind, port), Handler)
-    server.hub, server.cfg, server.expect, server.chat = None, cfg, None, Chat(policy, cfg)
-    server.token = os.environ.get("FLATRL_TOKEN") or None
+    server.hub, server.cfg, server.expect, server.chat, server.token = None, cfg, None, Chat(policy, cfg), token
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

@@ -25,7 +25,7 @@ from model import HFPolicy, MLPPolicy, check_parity, save_adapter
 from serve import WORKER, AsyncSource, SyncSource, run_worker, serve_chat
 from tasks import TASKS
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
-                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, loopback, masked_mean, peak_flops, rank,
+                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank,
                    reshard, rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
 
 
@@ -367,9 +367,6 @@ def main(argv=None):
 
 def serve_forever(cfg, policy):
     """--serve: the trained run on OpenAI's chat API (/v1/chat/completions, /v1/models) until Ctrl-C."""
-    if not loopback(cfg.bind) and not os.environ.get("FLATRL_TOKEN"):
-        raise SystemExit(f"refusing to bind {cfg.bind} without a token: set FLATRL_TOKEN (clients send it as the "
-                         "API key)")
     server = serve_chat(policy, cfg, cfg.bind, cfg.port)
     print(f"serving {cfg.out} at http://{cfg.bind}:{server.server_port}/v1 (OpenAI chat completions; Ctrl-C stops)",
           flush=True)
