@@ -45,7 +45,7 @@ RANGES = {
 @dataclasses.dataclass
 class Config:
     # --- run ---
-    task: str = "cartpole"  # what to learn: a gymnasium env (cartpole, with --env) or an LLM task of tasks.TASKS
+    task: str = "cartpole"  # what to learn: a gymnasium env (cartpole, with --env), an LLM task of tasks.TASKS, rg:NAME
     env: str = "CartPole-v1"  # gymnasium id for control tasks: discrete actions, Box observations
     algo: str = "reinforce"  # advantage estimator, one of algos.ADVANTAGES
     seed: int = 0  # seeds python, torch, env resets and prompt order
@@ -83,6 +83,7 @@ class Config:
     question_field: str = "question"  # data task: the column holding the question
     answer_field: str = "answer"  # data task: the column holding the answer (GSM8K's "... #### 42" is understood)
     data_prompt: str = "\nThink step by step, then put the final number in <answer></answer> tags."  # after a question
+    rg_config: str = ""  # rg:NAME tasks: the reasoning-gym dataset's config as JSON, e.g. '{"min_terms": 2}'
     digits: int = 1  # arith: digits per operand
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
     max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm
@@ -150,7 +151,10 @@ class Config:
             if not ok:
                 raise SystemExit(f"config error: {msg}")
         for key, names in {**CHOICES, **dict(choices)}.items():
-            if (value := getattr(self, key)) not in names:  # (the did-you-mean search only then: it reads the source)
+            value = getattr(self, key)
+            if key == "task" and value.startswith("rg:"):  # reasoning-gym's dataset NAME: the task checks NAME
+                value = "rg"
+            if value not in names:  # (the did-you-mean search only then: it reads the source)
                 need(False, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
         for f in dataclasses.fields(self):  # NaN passes every comparison below, and inf trains on nonsense
             value = getattr(self, f.name)

@@ -8,6 +8,8 @@ more turns (LLMTask.play: read it second, after train.py's step; then algos.py).
 import ast
 import collections
 import contextlib
+import dataclasses
+import difflib
 import importlib.util
 import inspect
 import json
@@ -203,7 +205,8 @@ def save_samples(cfg, step, problems, chats):
     with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
         for (q, a), chat in list(zip(problems, chats))[:4]:
             more = {"turns": chat} if cfg.max_turns > 1 else {}
-            sample = {"step": step, "prompt": q, "answer": str(a), "completion": replies(chat)[-1], **more}
+            answer = a["answer"] if isinstance(a, dict) else a  # a reasoning-gym entry: its answer, not its metadata
+            sample = {"step": step, "prompt": q, "answer": str(answer), "completion": replies(chat)[-1], **more}
             f.write(json.dumps(sample) + "\n")
 
 
@@ -685,6 +688,71 @@ class CalcAgent(AgentTask, Calc):
         return ""  # out of turns: no answer
 
 
+class ReasoningGym(LLMTask):
+    """--task rg:NAME: reasoning-gym's procedural dataset NAME (pip install -e ".[tasks]"), its config from
+    --rg-config (JSON). Problems are the dataset's items, each generated from the dataset's seed and its index:
+    the run's seed and step pick the indices. Rewarded by the dataset's own grader, score_answer, on the reply's
+    <answer> tag (0 to 1); correct = a score of 1."""
+    instruction = "\n\nGive your final answer in <answer></answer> tags."
+    retry = "That is not right. Try again, with your final answer in <answer></answer> tags."
+
+    def __init__(self, cfg):
+        self.data = rg_dataset(cfg.task.partition(":")[2], cfg.rg_config)
+        super().__init__(cfg)
+
+    def problem(self, rng):
+        entry = self.data[rng.randrange(len(self.data))]
+        return entry["question"], entry  # the whole entry: graders read its metadata
+
+    def build_prompt(self, question):
+        return question + self.instruction
+
+    def score(self, completion, entry):
+        answer = answer_tag(completion)  # the last tagged answer; a reply without tags is graded whole
+        try:
+            return float(self.data.score_answer(completion.strip() if answer is None else answer, entry))
+        except Exception:  # a grader that trips over a malformed answer: the answer is worth nothing
+            return 0.0
+
+    def reward(self, prompt, completion, answer):
+        return self.score(completion, answer)
+
+    def correct(self, prompt, completion, answer):
+        return float(self.score(completion, answer) == 1)
+
+    def env_response(self, question, answer, turns):  # multi-turn: a reply that is not right is asked again
+        return None if self.score(turns[-1], answer) == 1 else self.retry
+
+
+def rg_dataset(name, config_json):
+    """reasoning-gym's dataset `name` built with the JSON config, or a one-line config error. Its seed is fixed (0)
+    and its size 10,000 unless the JSON says otherwise: the same problems for every run, the held-out ones too."""
+    try:
+        import reasoning_gym  # optional: pip install -e ".[tasks]"
+    except ImportError:
+        raise SystemExit('config error: --task rg:NAME needs the reasoning-gym package: pip install -e ".[tasks]"')
+    names = sorted(reasoning_gym.factory.DATASETS)
+    if name not in names:  # the close names, else them all
+        near = difflib.get_close_matches(name, names, n=5, cutoff=0.6) or names
+        raise SystemExit(f"config error: reasoning-gym has no dataset {name!r} (--task rg:NAME); "
+                         f"{'close names' if len(near) < len(names) else 'its datasets'}: {', '.join(near)}")
+    try:
+        config = json.loads(config_json or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"config error: --rg-config is not JSON ({e}): write it as '{{\"min_terms\": 2}}'")
+    if not isinstance(config, dict):
+        raise SystemExit(f"config error: --rg-config must be a JSON object such as '{{\"min_terms\": 2}}', not "
+                         f"{config_json}")
+    fields = [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[name][1])]
+    if unknown := [key for key in config if key not in fields]:
+        raise SystemExit(f"config error: --rg-config: rg:{name} has no field {unknown[0]!r}; its fields: "
+                         f"{', '.join(fields)}")
+    try:
+        return reasoning_gym.create_dataset(name, **{"seed": 0, "size": 10_000, **config})
+    except (TypeError, ValueError, AssertionError) as e:  # a value of the wrong type, or one its validate refuses
+        raise SystemExit(f"config error: --rg-config {config_json}: rg:{name} refuses it: {e}")
+
+
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' loader per suffix
 
 
@@ -749,6 +817,11 @@ class DataTask(LLMTask):
         return final_number_match(prompt, completion, answer)
 
 
+def task_class(name):
+    """--task's class: rg:NAME is the rg task (reasoning-gym's dataset NAME)."""
+    return TASKS[name.partition(":")[0] if name.startswith("rg:") else name]
+
+
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc,
-         "calc_agent": CalcAgent, "data": DataTask,
+         "calc_agent": CalcAgent, "data": DataTask, "rg": ReasoningGym,
          "jsonl": DataTask}  # jsonl: data's other name, which older configs use

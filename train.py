@@ -23,7 +23,7 @@ import config as config_lib
 from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, value_loss
 from model import HFPolicy, MLPPolicy, check_parity, save_adapter
 from serve import WORKER, AsyncSource, SyncSource, run_worker, serve_chat
-from tasks import TASKS
+from tasks import TASKS, task_class
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
                    fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank,
                    reshard, rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
@@ -34,7 +34,7 @@ def build(cfg):
     if cfg.group_size < 2 and needs_groups(ADVANTAGES[cfg.algo], cfg):
         raise SystemExit(f"config error: {cfg.algo} compares samples of the same prompt, and a group of one has "
                          f"nothing to compare: set --group-size 2 or more")
-    task = TASKS[cfg.task](cfg)
+    task = task_class(cfg.task)(cfg)
     if not task.llm and (cfg.kl_coef or cfg.fsdp or cfg.credit == "turn"):
         raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for "
                          "control tasks")
@@ -247,7 +247,7 @@ def setup(cfg):
             cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
             torch.cuda.set_device(cfg.device)
     if not (cfg.out or cfg.resume):  # a folder of this run's own, even beside runs started in the same second
-        name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task
+        name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task.replace(":", "-")  # rg:NAME -> rg-NAME
         worker = f"-worker-{WORKER}" if cfg.role == "rollout" else ""  # next to the trainer's folder
         base = f"runs/{name}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}{worker}"
         cfg.out = broadcast_bytes(fresh_dir(base).encode() if rank() == 0 else None).decode()  # one for all ranks
@@ -336,7 +336,7 @@ def results_line(cfg, log, llm):
 def main(argv=None):
     began = time.time()  # the run's clock (time_s, "solved after"): from here, the model's loading included
     cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
-    if (cfg.ask or cfg.serve) and not (TASKS[cfg.task].llm and cfg.resume):
+    if (cfg.ask or cfg.serve) and not (task_class(cfg.task).llm and cfg.resume):
         flag = "--ask answers" if cfg.ask else "--serve serves"
         raise SystemExit(f"config error: {flag} with a trained LLM run: python train.py --resume RUN_DIR "
                          f"{'--ask ...' if cfg.ask else '--serve'}")

@@ -284,8 +284,8 @@ def test_check_parity_passes_on_every_shipped_cpu_config():
 
 
 @with_vllm
-def test_sync_and_async_training_with_vllm(tmp_path):
-    common = ["--config", "configs/arith_grpo_cpu.yaml", "--batch-size", "8", "--max-new-tokens", "16", "--n-eval", "4",
+def test_sync_and_async_training_with_vllm(tmp_path):  # on the reasoning-gym preset: its prompts, its grader
+    common = ["--config", "configs/rg_syllogism_cpu.yaml", "--batch-size", "8", "--max-new-tokens", "16", "--n-eval", "4",
               "--eval-every", "0", "--lora-r", "8", "--vllm-max-len", "256", "--connect-timeout", "120",
               "--ent-coef", "0.001"]  # every row is scored: logp_gap at every step, even where every group tied
     said = finish(spawn(*common, "--generator", "vllm", "--steps", "2", "--out", str(tmp_path / "sync")), timeout=600)

@@ -1,0 +1,188 @@
+"""--task rg:NAME: reasoning-gym's datasets graded by their own score_answer, drawn like every other task's."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from config import Config
+from model import HFPolicy
+from tasks import ReasoningGym, answer_tag, task_class
+
+pytest.importorskip("reasoning_gym", reason='the tasks extra: pip install -e ".[tasks]"')
+
+SMALL = json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]})
+
+
+def rg_task(name, rg_config="", **kw):
+    cfg = Config(**{"task": f"rg:{name}", "rg_config": rg_config, "n_eval": 8, "batch_size": 8, "group_size": 2,
+                    **kw}).validate({"task": ["rg"]})
+    return task_class(cfg.task)(cfg)
+
+
+def wrong_answer(name, entry):
+    if name == "countdown":
+        return "1 + 1"
+    if name == "basic_arithmetic":
+        return str(int(entry["answer"]) + 1)
+    return entry["answer"][::-1] + "x"  # spell_backward: the word itself, and a letter more
+
+
+@pytest.mark.parametrize("name", ["countdown", "basic_arithmetic", "spell_backward"])
+def test_the_datasets_own_grader_is_the_reward_and_a_score_of_one_is_correct(name):
+    task = rg_task(name)
+    for question, entry in task.eval_set[:4]:
+        prompt = task.build_prompt(question)
+        assert question in prompt and prompt.endswith("<answer></answer> tags.")
+        right, wrong = f"Done. <answer>{entry['answer']}</answer>", f"<answer>{wrong_answer(name, entry)}</answer>"
+        assert (task.reward(prompt, right, entry), task.correct(prompt, right, entry)) == (1.0, 1.0)
+        assert task.reward(prompt, wrong, entry) < 1 and task.correct(prompt, wrong, entry) == 0.0
+        assert task.reward(prompt, wrong, entry) == task.data.score_answer(answer_tag(wrong), entry)
+        assert task.reward(prompt, f" {entry['answer']}\n", entry) == 1.0  # no tags: the whole reply is graded
+        assert task.reward(prompt, f"<answer>{entry['answer']}</answer> or <answer>no</answer>", entry) < 1  # last
+
+
+def test_the_rg_config_reaches_the_dataset():
+    task = rg_task("basic_arithmetic", SMALL)
+    assert task.data.config.max_terms == 2 and task.data.config.seed == 0 and len(task.data) == 10_000
+    for question, entry in task.train_problems(0) + task.eval_set:
+        assert entry["metadata"]["num_terms"] == 2 and entry["question"] == question
+
+
+def problems(seed):
+    task = rg_task("countdown", seed=seed)
+    return [q for q, _ in task.eval_set], [[q for q, _ in task.train_problems(step)] for step in range(3)]
+
+
+def test_the_same_seed_draws_the_same_problems_in_another_process():
+    """Another interpreter, another hash seed: the same held-out set and the same steps; another run seed draws
+    other training problems from the same held-out set."""
+    code = "import json, tests.test_reasoning_gym as t; print(json.dumps(t.problems(0)))"
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    there = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True).stdout)
+    held, steps = problems(0)
+    assert there == [held, steps] and len(set(steps[0])) == 4 and steps[0] != steps[1]
+    other_held, other_steps = problems(1)
+    assert other_held == held and other_steps[0] != steps[0]
+
+
+def test_held_out_problems_are_never_trained_on():
+    """A dataset of 40 items with 16 held out: 200 steps' draws cover the other 24 and never touch the 16."""
+    task = rg_task("basic_arithmetic", json.dumps({**json.loads(SMALL), "size": 40}), n_eval=16)
+    trained = {q for step in range(200) for q, _ in task.train_problems(step)}
+    everything = {task.data[i]["question"] for i in range(40)}
+    assert len(task.eval_set) == 16 and not trained & task.held_keys
+    assert trained | task.held_keys == everything
+
+
+def test_an_unknown_dataset_is_one_line_naming_close_ones(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--task", "rg:countdwn", "--out", str(tmp_path)])
+    assert "no dataset 'countdwn'" in str(e.value) and "close names: countdown" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="rg:chain_sum has no field 'min_term'; its fields: min_terms"):
+        rg_task("chain_sum", '{"min_term": 2}')
+    with pytest.raises(SystemExit, match="rg:chain_sum refuses it: min_terms must be positive"):
+        rg_task("chain_sum", '{"min_terms": 0}')
+    with pytest.raises(SystemExit, match="--rg-config is not JSON"):
+        rg_task("chain_sum", "{min_terms: 2}")
+    with pytest.raises(SystemExit, match="task 'arith:x' is unknown"):
+        Config(task="arith:x").validate({"task": ["arith", "rg"]})
+
+
+def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
+    with pytest.raises(SystemExit) as e:
+        rg_task("countdown")
+    assert str(e.value) == 'config error: --task rg:NAME needs the reasoning-gym package: pip install -e ".[tasks]"'
+
+
+def answering(answers):
+    """HFPolicy.sample, scripted: row 0 of every two is the right answer in tags, row 1 a wrong one ("no"), each
+    ended: groups whose rewards differ, which the tiny model alone never earns. answers: {question: answer}."""
+    real = HFPolicy.sample
+
+    def sample(self, seqs, n, greedy=False, max_new=None):
+        ids, logps = real(self, seqs, n, greedy, max_new=max_new)
+        for i in range(len(ids)):
+            said = self.tok.decode(seqs[i // n])
+            answer = next(a for q, a in answers.items() if q in said) if i % 2 == 0 else "no"
+            ids[i] = self.tok.encode(f"<answer>{answer}</answer>", add_special_tokens=False) + [self.tok.eos_token_id]
+            if logps:
+                logps[i] = [0.0] * len(ids[i])
+        return ids, logps
+    return sample
+
+
+def known_answers(rg_config, seed=0):
+    task = rg_task("basic_arithmetic", rg_config, seed=seed)
+    return {q: e["answer"] for q, e in task.eval_set + [p for step in range(4) for p in task.train_problems(step)]}
+
+
+def test_rollout_rewards_are_the_graders_scores_and_a_wrong_reply_is_asked_again(tiny_llm, monkeypatch):
+    monkeypatch.setattr(HFPolicy, "sample", answering(known_answers(SMALL)))
+    task = rg_task("basic_arithmetic", SMALL, model=tiny_llm, max_turns=2, max_new_tokens=8, gen_dtype="float32",
+                   lora_r=4)
+    policy = HFPolicy(task.cfg)
+    problems = task.train_problems(0)
+    _, chats = task.play(policy, problems, 2)
+    for i, chat in enumerate(chats):
+        if i % 2 == 0:  # answered right: the episode ends there
+            assert len(chat) == 1 and task.score(chat[0]["content"], problems[i // 2][1]) == 1
+        else:  # told so and asked again; the second reply (right in episodes 1 and 5) is the outcome
+            assert len(chat) == 3 and chat[1] == {"role": "user", "content": ReasoningGym.retry}
+    batch = task.rollout(policy, step=0)
+    assert batch.rewards.sum(1).tolist() == [1, 1, 1, 0, 1, 1, 1, 0] and batch.stats["accuracy"] == 0.75
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"])
+def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, algo):
+    monkeypatch.setattr(HFPolicy, "sample", answering(known_answers(SMALL)))
+    train.main(["--task", "rg:basic_arithmetic", "--rg-config", SMALL, "--model", tiny_llm, "--algo", algo,
+                "--steps", "2", "--batch-size", "8", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4",
+                "--lora-r", "4", "--lr", "0.01", "--gen-dtype", "float32", "--out", str(tmp_path)])
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert [float(r["reward"]) for r in rows[:2]] == [0.5, 0.5] and float(rows[1]["accuracy"]) == 0.5
+    assert float(rows[0]["eval_acc"]) == 0.5  # greedy, one row a prompt: held-out prompts 0 and 2 answered right
+    assert float(rows[1]["grad_norm"]) > 0 and rows[2]["reward"] == ""  # the last row: the final evaluation
+
+
+def test_a_trainer_and_a_rollout_worker_train_an_rg_task(tiny_llm, tmp_path):
+    """The worker builds the same dataset from the same flags, samples, grades, and pushes; the trainer trains."""
+    from test_serve import finish, free_port, rows, spawn
+    port = free_port()
+    common = ["--task", "rg:basic_arithmetic", "--rg-config", SMALL, "--model", tiny_llm, "--algo", "grpo",
+              "--batch-size", "8", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4",
+              "--gen-dtype", "float32", "--connect-timeout", "60", "--ent-coef", "0.001"]  # every row scored: logp_gap
+    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"))
+    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
+                   "--out", str(tmp_path / "w"))
+    finish(trainer)
+    assert "training finished" in finish(worker)
+    trained = rows(tmp_path / "t")
+    assert len(trained) == 2 and all(float(r["logp_gap"]) < 1e-4 for r in trained)
+    assert json.loads((tmp_path / "t" / "samples.jsonl").read_text().splitlines()[0])["answer"] == \
+        rg_task("basic_arithmetic", SMALL).eval_set[0][1]["answer"]  # samples.jsonl shows the answer alone
+
+
+def test_the_readmes_forked_task_scores_with_reasoning_gyms_grader():
+    import re
+
+    import tasks
+    readme = open("README.md").read()
+    [code] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "get_score_answer_fn" in block]
+    namespace = {**vars(tasks), "TASKS": {}}
+    exec(code, namespace)  # the README's example, verbatim
+    task = namespace["TASKS"]["graded_countdown"](Config(task="graded_countdown", n_eval=8, batch_size=8,
+                                                         group_size=4))
+    for question, (numbers, target) in task.eval_set:
+        assert task.reward(question, "<answer>1 + 1</answer>", (numbers, target)) in (0.01, 0.05)
+        right = "<answer>" + " + ".join(map(str, numbers)) + "</answer>"  # right, for the target it sums to
+        assert task.reward(question, right, (numbers, sum(numbers))) == 1.0
+        assert task.reward(question, right, (numbers, sum(numbers) + 1)) == 0.05
