@@ -20,10 +20,10 @@ DATASETS = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_
             "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
             "products": {"min_digits": 1, "max_digits": 1}, "gcd": {"max_value": 20},
             "leg_counting": {"min_animals": 1, "max_animals": 1, "max_instances": 2},
-            "spell_backward": {"min_word_len": 3, "max_word_len": 3}, "letter_counting": {"max_words": 4},
-            "needle_haystack": {"min_num_statements": 2, "max_num_statements": 2}, "syllogism": {},
-            "ransom_note": {}, "isomorphic_strings": {}, "aiw": {}, "self_reference": {}, "coin_flip": {},
-            "letter_jumble": {}, "binary_alternation": {}}
+            "spell_backward": {"min_word_len": 3, "max_word_len": 3},
+            "letter_counting": {"min_words": 3, "max_words": 4},
+            "needle_haystack": {"min_num_statements": 2, "max_num_statements": 2},
+            "syllogism": {}, "ransom_note": {}, "aiw": {}, "coin_flip": {}}
 
 
 def main(names):
@@ -39,10 +39,10 @@ def main(names):
         scores = [task.score(reply, held[i // 4][1]) for i, reply in enumerate(sampled)]
         groups = [scores[i:i + 4] for i in range(0, len(scores), 4)]
         right = sum(task.score(reply, entry) == 1 for reply, (_, entry) in zip(greedy, held)) / len(held)
-        print(f"{name:20s} greedy {right:.2f}  sampled: scoring 1 {sum(s == 1 for s in scores) / len(scores):.3f}, "
-              f"mean {sum(scores) / len(scores):.3f}, groups with signal {sum(len(set(g)) > 1 for g in groups) / "
-              f"len(groups):.2f}  e.g. {greedy[0][:50]!r} ({time.time() - t:.0f} s)", flush=True)
-
+        ones, mean = sum(s == 1 for s in scores) / len(scores), sum(scores) / len(scores)
+        signal = sum(len(set(g)) > 1 for g in groups) / len(groups)
+        print(f"{name:20s} greedy {right:.2f}  sampled: scoring 1 {ones:.3f}, mean {mean:.3f}, groups with signal "
+              f"{signal:.2f}  e.g. {greedy[0][:50]!r} ({time.time() - t:.0f} s)", flush=True)
 
 if __name__ == "__main__":
     main(sys.argv[1:])
