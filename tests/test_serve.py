@@ -120,8 +120,9 @@ def test_trainer_and_two_workers_end_to_end(tmp_path):
 def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     port = free_port()
     workers = [spawn(*CARTPOLE16, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1",
-                     "--connect-timeout", "300", cwd=tmp_path) for _ in range(8)]  # one command, default folders, one folder
-    # the trainer starts once every worker is up (its config written), so each is retrying (CARTPOLE16)
+                     "--connect-timeout", "600", cwd=tmp_path) for _ in range(8)]  # one command, default folders, one folder
+    # the trainer starts once every worker is up (its config written), so each is retrying (CARTPOLE16): for as long
+    # as 8 start-ups on 2 cores and the trainer's own take, which came within a 300 s --connect-timeout once
     wait_for(lambda: len([f for f in os.listdir(tmp_path / "runs") if os.path.exists(tmp_path / "runs" / f / "config.yaml")]) == 8, 240)
     trainer = spawn(*CARTPOLE16, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
     finish(trainer, timeout=300)  # limits on silence (output): a loaded machine makes each step slower, never silent
