@@ -692,7 +692,7 @@ class ReasoningGym(LLMTask):
     """--task rg:NAME: reasoning-gym's procedural dataset NAME (pip install -e ".[tasks]"), its config from
     --rg-config (JSON). Problems are the dataset's items, each generated from the dataset's seed and its index:
     the run's seed and step pick the indices. Rewarded by the dataset's own grader, score_answer, on the reply's
-    <answer> tag (0 to 1); correct = a score of 1."""
+    last <answer> tag, or on the whole reply without one (0 to 1); correct = a score of 1."""
     instruction = "\n\nGive your final answer in <answer></answer> tags."
     retry = "That is not right. Try again, with your final answer in <answer></answer> tags."
 
@@ -819,7 +819,7 @@ class DataTask(LLMTask):
 
 def task_class(name):
     """--task's class: rg:NAME is the rg task (reasoning-gym's dataset NAME)."""
-    return TASKS[name.partition(":")[0] if name.startswith("rg:") else name]
+    return TASKS["rg" if name.startswith("rg:") else name]
 
 
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc,
