@@ -12,6 +12,7 @@ import http.server
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 import urllib.error
@@ -21,6 +22,7 @@ import uuid
 
 import torch
 from safetensors.torch import load as st_load, save as st_save
+from tqdm import tqdm
 
 from model import check_keys, check_parity, json_args, parse_tool_calls, template_message
 from utils import Batch, Logger, broadcast_bytes, loopback, rank, sharded, unshard, world
@@ -421,6 +423,9 @@ def call(cfg, path, body=None, timeout=120):
             if time.time() - start > cfg.connect_timeout:
                 raise SystemExit(f"trainer at {cfg.trainer_url} unreachable for {cfg.connect_timeout} s ({e}); "
                                  "giving up")
+            if delay == 0.5:  # said once a call: a worker waiting on its trainer is not hung
+                tqdm.write(f"worker {WORKER}: trainer at {cfg.trainer_url} unreachable ({e}); retrying for up to "
+                           f"{cfg.connect_timeout:g} s (--connect-timeout)", file=sys.stderr)  # now, not at exit
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
