@@ -234,7 +234,7 @@ def sampler_gap(batch, cfg, say):
 
 
 def setup(cfg):
-    """Run directory, data parallelism (under torchrun, one rank or many: utils.backend), seeds."""
+    """The process's cores, data parallelism (under torchrun, one rank or many: utils.backend), seeds."""
     cuda = cfg.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit(f"config error: --device {cfg.device}, but this torch ({torch.__version__}) sees no CUDA "
@@ -246,16 +246,21 @@ def setup(cfg):
         if cuda:  # one GPU per rank; nccl collectives run on the current device
             cfg.device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
             torch.cuda.set_device(cfg.device)
-    if not (cfg.out or cfg.resume):  # a folder of this run's own, even beside runs started in the same second
+    cfg.out = cfg.resume or cfg.out  # a new run's folder is made once the command is accepted (run_folder)
+    if rank() == 0 and not cfg.ask:  # an answer alone for --ask
+        print(threads, flush=True)
+    seed_all(cfg.seed)  # one seed for every rank until the policy is built: one initial model (main reseeds)
+
+
+def run_folder(cfg):
+    """Make the run's folder: --out, or one of its own (runs/TASK-ALGO-TIME), even beside runs started in the same
+    second."""
+    if not cfg.out:
         name = cfg.env.lower() if cfg.task == "cartpole" else cfg.task.replace(":", "-")  # rg:NAME -> rg-NAME
         worker = f"-worker-{WORKER}" if cfg.role == "rollout" else ""  # next to the trainer's folder
         base = f"runs/{name}-{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}{worker}"
         cfg.out = broadcast_bytes(fresh_dir(base).encode() if rank() == 0 else None).decode()  # one for all ranks
-    cfg.out = cfg.resume or cfg.out
     os.makedirs(cfg.out, exist_ok=True)
-    if rank() == 0 and not cfg.ask:  # an answer alone for --ask
-        print(threads, flush=True)
-    seed_all(cfg.seed)  # one seed for every rank until the policy is built: one initial model (main reseeds)
 
 
 def optimizer(policy, cfg):
@@ -358,7 +363,8 @@ def main(argv=None):
         return None
     if cfg.serve:
         return serve_forever(cfg, policy)
-    if rank() == 0:  # only now: a refused command (above) leaves the run folder as it was
+    run_folder(cfg)  # only now: a refused command (above) leaves no new folder, and a resumed one as it was
+    if rank() == 0:
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
         return run_worker(cfg, task, policy)

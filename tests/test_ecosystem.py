@@ -59,7 +59,7 @@ def test_rows_without_a_usable_answer_are_refused_at_load(tmp_path, tiny_llm):
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert run.stderr.startswith(f"config error: --data {path}: row 5 has no usable 'answer' (None;")
-    assert not os.listdir(tmp_path / "r")  # refused before anything was written
+    assert not os.path.exists(tmp_path / "r")  # refused before anything was written, the folder too
 
 
 def test_the_data_cpu_preset_asks_for_a_short_answer():

@@ -356,6 +356,14 @@ def test_a_script_keeps_freed_memory_for_the_next_step():
     assert faults["keep"] < 64  # the last step's 256 MB reused in place: no page touched for the first time
 
 
+def test_a_refused_command_leaves_no_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default folders: runs/NAME under the working directory
+    for flags in (["--algo", "grpo"], ["--check-parity"]):  # refused before the policy is built, and after it
+        with pytest.raises(SystemExit, match="^config error: "):
+            train.main(["--task", "cartpole", *flags])
+    assert not os.path.exists("runs")
+
+
 def test_acrobot_runs_and_is_named_after_its_env(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     train.main(["--task", "cartpole", "--env", "Acrobot-v1", "--steps", "1", "--batch-size", "2", "--eval-episodes", "2"])
