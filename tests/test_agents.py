@@ -307,14 +307,8 @@ TINY_AGENT = ["--task", "calc_agent", "--algo", "rloo", "--batch-size", "4", "--
 
 
 def test_a_rollout_worker_serves_its_own_agents(tiny_llm, tmp_path):
-    from test_serve import finish, free_port, rows, spawn
-    port, common = free_port(), [*TINY_AGENT, "--model", tiny_llm, "--connect-timeout", "60"]
-    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"))
-    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
-                   "--out", str(tmp_path / "w"))
-    finish(trainer)
-    assert "training finished" in finish(worker)
-    trained = rows(tmp_path / "t")
+    from test_serve import trainer_and_worker
+    trained, _ = trainer_and_worker(tmp_path, [*TINY_AGENT, "--model", tiny_llm, "--connect-timeout", "60"], 2)
     assert len(trained) == 2 and all(r["agent_errors"] == "0" for r in trained)
     assert all(float(r["logp_gap"]) < 1e-4 for r in trained)  # the endpoint recorded exactly what was sampled
 

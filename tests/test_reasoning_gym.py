@@ -155,17 +155,11 @@ def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, a
 
 def test_a_trainer_and_a_rollout_worker_train_an_rg_task(tiny_llm, tmp_path):
     """The worker builds the same dataset from the same flags, samples, grades, and pushes; the trainer trains."""
-    from test_serve import finish, free_port, rows, spawn
-    port = free_port()
+    from test_serve import trainer_and_worker
     common = ["--task", "rg:basic_arithmetic", "--rg-config", SMALL, "--model", tiny_llm, "--algo", "grpo",
               "--batch-size", "8", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4",
               "--gen-dtype", "float32", "--connect-timeout", "60", "--ent-coef", "0.001"]  # every row scored: logp_gap
-    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"))
-    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
-                   "--out", str(tmp_path / "w"))
-    finish(trainer)
-    assert "training finished" in finish(worker)
-    trained = rows(tmp_path / "t")
+    trained, _ = trainer_and_worker(tmp_path, common, 2)
     assert len(trained) == 2 and all(float(r["logp_gap"]) < 1e-4 for r in trained)
     assert json.loads((tmp_path / "t" / "samples.jsonl").read_text().splitlines()[0])["answer"] == \
         rg_task("basic_arithmetic", SMALL).eval_set[0][1]["answer"]  # samples.jsonl shows the answer alone

