@@ -44,5 +44,6 @@ def main(names):
         print(f"{name:20s} greedy {right:.2f}  sampled: scoring 1 {ones:.3f}, mean {mean:.3f}, groups with signal "
               f"{signal:.2f}  e.g. {greedy[0][:50]!r} ({time.time() - t:.0f} s)", flush=True)
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])
