@@ -49,9 +49,8 @@ def ppo(b, cfg):
 
 def group_stats(R, group):
     """-> (R - group mean, unbiased group std, group size), each [N]. A group is adjacent rows with one id (tasks build
-    them so, serve.unpack_batch checks a worker's, torchrun ranks take whole groups). Sizes may differ: an agent that
-    rewrote its history has a row more (tasks.agent_rows). A group whose rewards are all equal gets exactly 0 (not
-    float dust like 1e-17 / eps)."""
+    them so, serve.unpack_batch checks a worker's, torchrun ranks take whole groups); the estimators pass one row per
+    run (run_stats). A group whose rewards are all equal gets exactly 0 (not float dust like 1e-17 / eps)."""
     _, g, size = torch.unique_consecutive(group, return_inverse=True, return_counts=True)  # [N], [groups]
     assert len(size) == len(torch.unique(group)), f"a group's rows must be adjacent; got groups {group.tolist()}"
     per_group = torch.zeros(len(size))
@@ -63,12 +62,33 @@ def group_stats(R, group):
     return centered, std[g], size[g]
 
 
+def runs_of(b):
+    """-> (first [U], last [U]: each run's first and last row; of [N]: each row's run 0..U-1). A run is one episode;
+    an agent run whose calls did not extend each other is several adjacent rows (b.run), each carrying the run's
+    reward. Baselines are taken over runs, never rows: a run in two rows would otherwise weigh twice in its group's
+    mean and std, and under RLOO enter its own baseline."""
+    rows = torch.arange(len(b.mask))
+    if b.run is None:
+        return rows, rows, rows
+    _, of = torch.unique_consecutive(b.run, return_inverse=True)  # [N]
+    per_run = torch.zeros(int(of.max()) + 1, dtype=torch.long)
+    first, last = (per_run.scatter_reduce(0, of, rows, how, include_self=False) for how in ("amin", "amax"))
+    return first, last, of
+
+
+def run_stats(b):
+    """group_stats over runs (the reward of each run's last row), spread back to every row of the run. A group of
+    runs A (two rows, reward 1) and B (one row, reward 0): centered .5, .5, -.5; std .707; size 2."""
+    _, last, of = runs_of(b)
+    return tuple(x[of] for x in group_stats(b.seq_reward[last], b.group[last]))
+
+
 def grpo(b, cfg):
     """A_i = (R_i - mean_g R) / (std_g R + adv_eps), std unbiased (arXiv 2402.03300), on every token of sample i;
     norm_std false: Dr.GRPO's A_i = R_i - mean_g R (arXiv 2503.20783). --credit turn: turn_credit."""
     if cfg.credit == "turn":
         return turn_credit(b, cfg), None
-    centered, std, _ = group_stats(b.seq_reward, b.group)  # [N]
+    centered, std, _ = run_stats(b)  # [N]
     A = torch.where(std > 0, centered / (std + cfg.adv_eps), 0.0) if cfg.norm_std else centered
     return A[:, None] * b.mask, None
 
@@ -77,7 +97,7 @@ def rloo(b, cfg):
     """A_i = R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R) (arXiv 2402.14740). --credit turn: turn_credit."""
     if cfg.credit == "turn":
         return turn_credit(b, cfg), None
-    centered, _, G = group_stats(b.seq_reward, b.group)
+    centered, _, G = run_stats(b)
     return (G / (G - 1) * centered)[:, None] * b.mask, None
 
 
@@ -90,22 +110,29 @@ def reply_returns(b, cfg):
 
 
 def turn_credit(b, cfg):
-    """--credit turn, group estimators: A = G_ik - mean of G_jk over the OTHER episodes j of i's group that
-    reached reply k (no other did: baseline 0), on every token of reply k. Leaving episode i out keeps the
-    estimate unbiased though the policy decides which episodes reach reply k: the baseline then depends
-    on no action of episode i (README "Per-turn credit"; tested by Monte Carlo against the exact gradient).
+    """--credit turn, group estimators: A = G_ik - mean of G_jk over the OTHER runs j of i's group that reached
+    reply k (no other did: baseline 0), on every token of reply k; a run's replies are numbered across its rows.
+    Leaving run i out keeps the estimate unbiased though the policy decides which runs reach reply k: the
+    baseline then depends on no action of run i (README "Per-turn credit"; tested by Monte Carlo against the
+    exact gradient).
     A group of three, discount 1: returns per reply [1, 1], [0, 0] and [1] (one reply) -> reply 0: A = 1 - (0 + 1) / 2
     = .5, 0 - (1 + 1) / 2 = -1, 1 - (1 + 0) / 2 = .5; reply 1, reached by the first two only: 1 - 0 = 1, 0 - 1 = -1."""
-    G, k = reply_returns(b, cfg)  # [N, T] each
-    K, real = int(k.max()) + 1, b.mask > 0
+    G, k = reply_returns(b, cfg)  # [N, T] each, k numbered within the row
+    first, last, of = runs_of(b)
+    replies = reply_ends(b.mask).sum(1)  # [N]
+    before = replies.cumsum(0) - replies  # [N] replies in the rows above; minus the run's first row's: in the run
+    real = b.mask > 0
+    k = k + (before - before[first][of])[:, None] * real  # [N, T] numbered across the run's rows
+    K = int(k.max()) + 1
     slot = torch.where(real, k, K)  # [N, T]; padding and environment tokens land in a spare column K
-    V = G.new_zeros(len(G), K + 1).scatter(1, slot, G)[:, :K]  # [N, K] each reply's return (one value per reply)
-    reached = G.new_zeros(len(G), K + 1).scatter(1, slot, real.float())[:, :K]  # [N, K] 1 where reply k exists
-    _, g = torch.unique(b.group, return_inverse=True)
+    per_run = [G.new_zeros(len(last), K).index_add(0, of, G.new_zeros(len(G), K + 1).scatter(1, slot, x)[:, :K])
+               for x in (G, real.float())]  # each [U, K]: each reply's return (one value per reply); 1 where it exists
+    V, reached = per_run
+    _, g = torch.unique(b.group[last], return_inverse=True)  # [U] each run's group
     total, count = (G.new_zeros(int(g.max()) + 1, K).index_add(0, g, x) for x in (V, reached))  # per group and k
-    others = count[g] - reached  # [N, K] how many OTHER episodes of the group reached reply k
-    A = (V - torch.where(others > 0, (total[g] - V) / others.clamp(min=1), 0.0)) * reached  # [N, K]
-    return A.gather(1, k) * b.mask
+    others = count[g] - reached  # [U, K] how many OTHER runs of the group reached reply k
+    A = (V - torch.where(others > 0, (total[g] - V) / others.clamp(min=1), 0.0)) * reached  # [U, K]
+    return A[of].gather(1, k) * b.mask
 
 
 ADVANTAGES = {"reinforce": reinforce, "reinforce_baseline": reinforce_baseline, "ppo": ppo,

@@ -65,6 +65,7 @@ class Config:
     port: int = 8000  # trainer: port to listen on (0 = any free port)
     bind: str = "127.0.0.1"  # trainer: address to listen on; anything but loopback needs FLATRL_TOKEN
     trainer_url: str = ""  # rollout: the trainer, e.g. http://127.0.0.1:8000
+    token_file: str = ""  # the bearer token, read once from this file instead of FLATRL_TOKEN (README "Tokens")
     max_staleness: int = 1  # drop batches sampled more than this many versions ago (0 = on-policy only)
     max_queue: int = 4  # trainer: batches waiting at most; beyond it workers wait for new weights (503)
     wire_dtype: str = "auto"  # weights sent to workers: auto = gen_dtype for LLMs (bf16 halves the bytes), else float32

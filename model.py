@@ -85,7 +85,12 @@ def expanded(cache, rows):
     the copy alone, and backward sums each copy's gradient into the cached keys and values."""
     cache = copy.copy(cache)
     cache.layers = [copy.copy(layer) for layer in cache.layers]
-    cache.batch_select_indices(rows)
+    for layer in cache.layers:  # on a CPU index_select, not keys[rows]: that one's backward (index_put, accumulating)
+        # sums repeated rows' gradients in an order that varies run to run; on a GPU the reverse holds (index_add)
+        if layer.keys.is_cuda:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        else:
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
     return cache
 
 
@@ -579,15 +584,16 @@ class HFPolicy(nn.Module):
         end_of_turn = [before[ends[-1]]] if last != before[ends[-1]] else []
         return end_of_turn + before[ends[-1] + 1:] + after[len(before):]
 
-    def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1, group=None):
+    def to_batch(self, prompts, tails, masks=None, logps=None, truncated=None, n=1, group=None, run=None):
         """Episodes as ids -> Batch (rewards 0, for the task): each prompt, then `tails` (trained where masks is 1);
-        row i in group i // n, or group[i]."""
+        row i in group i // n, or group[i]; row i its own run, or a row of run[i]."""
         obs, attn, mask = pack(prompts, tails, self.pad_id, masks)
         P = obs.shape[1] - mask.shape[1]
         truncated = [not self.ended(c) for c in tails] if truncated is None else truncated
         batch = Batch(obs=obs, actions=obs[:, P:].clone(), mask=mask, rewards=torch.zeros_like(mask),
                       group=torch.arange(len(prompts)) // n if group is None else torch.tensor(group),
-                      truncated=torch.tensor(truncated), attn=attn)
+                      truncated=torch.tensor(truncated), attn=attn,
+                      run=torch.arange(len(prompts)) if run is None else torch.tensor(run))
         if logps is not None:  # a rollout worker reports what its sampler saw  [N, T]
             batch.sampler_logp = torch.zeros_like(mask)
             for i, lp in enumerate(logps):

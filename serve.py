@@ -12,6 +12,7 @@ import http.server
 import itertools
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -25,7 +26,8 @@ from safetensors.torch import load as st_load, save as st_save
 from tqdm import tqdm
 
 from model import check_keys, check_parity, json_args, parse_tool_calls, template_message
-from utils import Batch, Logger, broadcast_bytes, loopback, rank, sharded, unshard, world
+from utils import (LOCAL_TOKENS, Batch, Logger, bearer_token, broadcast_bytes, local_token, loopback, rank, sharded,
+                   unshard, world)
 
 WORKER = uuid.uuid4().hex[:8]  # this process's id as a rollout worker: its prompts and env seeds, its default folder
 
@@ -91,6 +93,12 @@ def unpack_batch(body, cfg, expect):
     _, counts = torch.unique_consecutive(b.group, return_counts=True)
     if len(counts) != len(torch.unique(b.group)):
         raise ValueError("a group's samples must be adjacent rows")
+    if llm:  # an agent run may be several rows: they must be adjacent, in one group, and a group hold enough runs
+        runs = torch.unique_consecutive(torch.stack([b.group, b.run]), dim=1)  # [2, runs]: each run's group, run
+        if runs.shape[1] != len(torch.unique(b.run)):
+            raise ValueError("an episode's rows (run) must be adjacent and in one group")
+        if (torch.unique_consecutive(runs[0], return_counts=True)[1] < cfg.group_size).any():
+            raise ValueError(f"every group needs group_size = {cfg.group_size} episodes (run ids)")
     if (counts < cfg.group_size).any():  # more: an agent run that rewrote its history has a row more (tasks.py)
         raise ValueError(f"every group needs group_size = {cfg.group_size} samples; got sizes {counts.tolist()}")
     if any(x.min() < 0 or x.max() >= expect.limit for x in ((b.actions, b.obs) if llm else (b.actions,))):
@@ -116,7 +124,8 @@ class Expect(dict):
         super().__init__(obs=(torch.long if llm else torch.float32, 2 if llm else 3), actions=(torch.long, 2),
                          mask=(torch.float32, 2), rewards=(torch.float32, 2), group=(torch.long, 1),
                          truncated=(torch.bool, 1), sampler_logp=(torch.float32, 2),
-                         **({"attn": (torch.float32, 2)} if llm else {"final_obs": (torch.float32, 2)}))
+                         **({"attn": (torch.float32, 2), "run": (torch.long, 1)} if llm else
+                            {"final_obs": (torch.float32, 2)}))
         self.limit = policy.lm.get_input_embeddings().num_embeddings if llm else task.n_actions
         self.obs_dim = None if llm else task.obs_dim
 
@@ -148,13 +157,18 @@ class Server(http.server.ThreadingHTTPServer):
     """A thread per request. A step's agents connect at once: a listen queue of 5 (the default) refuses some."""
     daemon_threads, request_queue_size = True, 256
 
+    def handle_error(self, request, client_address):  # a client that went away (an agent cut off) is no error
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
-def bind_token(bind):
-    """FLATRL_TOKEN, the bearer token every request must carry (None: none asked); refused without one for an
+
+def bind_token(bind, cfg):
+    """The bearer token every request must carry (utils.bearer_token; None: none asked); refused without one for an
     address other than loopback."""
-    token = os.environ.get("FLATRL_TOKEN") or None
+    token = bearer_token(cfg)
     if not loopback(bind) and token is None:
-        raise SystemExit(f"refusing to bind {bind} without a token: set FLATRL_TOKEN (its clients send it too)")
+        raise SystemExit(f"refusing to bind {bind} without a token: set FLATRL_TOKEN or --token-file (its clients "
+                         "send it too)")
     return token
 
 
@@ -309,7 +323,9 @@ class AsyncSource:
     a batch sampled by any older version is dropped (counted), never trained on."""
 
     def __init__(self, task, policy, cfg, log, version):
-        token = bind_token(cfg.bind)
+        token = bind_token(cfg.bind, cfg)
+        made = token is None and task.runs_model_text  # model text on this machine could POST made-up batches
+        token = secrets.token_urlsafe(32) if made else token
         self.policy, self.cfg, self.log, self.hub = policy, cfg, log, Hub(version)
         self.snapshots = {}  # version -> the trainable weights that sampled it
         self.staleness, self.expect = [], Expect(task, policy)  # staleness: this step's, for stats()
@@ -319,8 +335,13 @@ class AsyncSource:
             self.server = Server((cfg.bind, cfg.port), Handler)
             self.server.hub, self.server.cfg, self.server.expect, self.server.token = self.hub, cfg, self.expect, token
             self.server.chat = None
+            if made:  # before the first request is served: local workers read it (utils.local_token)
+                local_token(self.server.server_port, token)
             threading.Thread(target=self.server.serve_forever, daemon=True).start()
-            log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})")
+            log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})" +
+                    (f"; this task runs model text, so the routes ask a token on loopback too, one of the run's own "
+                     f"in {LOCAL_TOKENS}/{self.server.server_port} (0600), which this machine's workers read"
+                     if made else ""))
         self.publish(version)
 
     def publish(self, version):
@@ -410,10 +431,10 @@ class AsyncSource:
 def call(cfg, path, body=None, timeout=120):
     """HTTP to the trainer -> (status, headers, body bytes). HTTP errors are answers; while the trainer is
     unreachable, retry every 0.5-2 s (a trainer that comes up is found within 2 s) for up to connect_timeout s."""
-    url, token = cfg.trainer_url.rstrip("/") + path, os.environ.get("FLATRL_TOKEN")
-    headers = {"X-Flatrl-Worker": WORKER, **({"Authorization": f"Bearer {token}"} if token else {})}
-    start, delay = time.time(), 0.5
+    url, start, delay = cfg.trainer_url.rstrip("/") + path, time.time(), 0.5
     while True:
+        token = bearer_token(cfg) or trainers_own_token(cfg.trainer_url)  # read again: the trainer may be starting
+        headers = {"X-Flatrl-Worker": WORKER, **({"Authorization": f"Bearer {token}"} if token else {})}
         try:
             with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=timeout) as r:
                 return r.status, r.headers, r.read()
@@ -428,6 +449,12 @@ def call(cfg, path, body=None, timeout=120):
                            f"{cfg.connect_timeout:g} s (--connect-timeout)", file=sys.stderr)  # now, not at exit
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+def trainers_own_token(url):
+    """The token a trainer on this machine made for itself (AsyncSource), if it made one."""
+    parts = urllib.parse.urlsplit(url)
+    return local_token(parts.port) if loopback(parts.hostname or "") and parts.port else None
 
 
 def run_worker(cfg, task, policy):
@@ -485,6 +512,7 @@ def run_worker(cfg, task, policy):
 
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
             "repetition_penalty", "logit_bias")  # the run decides these in training: a request's are counted, unused
+ENDED = "this agent run has ended (finished, or cut off at --agent-timeout)"
 WAIT_S = 2.0  # a call waits up to this (a quarter of the last generate's time, 0.2 s at least) for other agents' calls
 
 
@@ -618,11 +646,19 @@ class Chat:
             self.cond.notify_all()
 
     def close(self, runs):
-        """-> each run's record; its agent, if still running, is cut off: its later calls are refused (410)."""
+        """-> each run's record; its agent, if still running, is cut off: its waiting and later calls are refused
+        (410), and a generate under way finishes first, so nothing of these runs samples, draws from the RNG or
+        records once the step goes on (to publish new weights under the sampler)."""
         with self.cond:
             self.running.difference_update(runs)
+            records = [self.runs.pop(r) for r in runs]
+            for call in [c for c in self.waiting if c["run"] in set(runs)]:
+                self.waiting.remove(call)
+                call["out"] = BadRequest(ENDED, code=410)
             self.cond.notify_all()
-            return [self.runs.pop(r) for r in runs]
+            while self.busy:
+                self.cond.wait()
+            return records
 
     def complete(self, req, run=None):
         """A checked request -> the completion's body; the call recorded in its agent run."""
@@ -631,7 +667,7 @@ class Chat:
         with self.cond:
             record = self.runs.get(run)
             if run is not None and record is None:
-                raise BadRequest("this agent run has ended (finished, or cut off at --agent-timeout)", code=410)
+                raise BadRequest(ENDED, code=410)
             if record is not None and len(record["calls"]) >= self.cfg.max_turns:
                 record["error"] = "turns"
                 raise BadRequest(f"an agent run makes at most --max-turns {self.cfg.max_turns} calls")
@@ -645,8 +681,11 @@ class Chat:
         answer = chat_response(self.policy, self.cfg.model, req, prompt, replies)
         if record is not None:
             (ids, logps), = replies
-            record["calls"].append({"messages": req["messages"], "tools": req.get("tools"), "prompt": prompt,
-                                    "ids": ids, "logps": logps, "reply": answer["choices"][0]["message"]})
+            with self.cond:
+                if self.runs.get(run) is not record:  # closed while this call sampled: its record is returned
+                    raise BadRequest(ENDED, code=410)
+                record["calls"].append({"messages": req["messages"], "tools": req.get("tools"), "prompt": prompt,
+                                        "ids": ids, "logps": logps, "reply": answer["choices"][0]["message"]})
         return answer
 
     def prompt(self, req, last):
@@ -663,6 +702,8 @@ class Chat:
         while running agents have yet to call; then the first call still waiting samples every waiting one."""
         mine, until = {"prompt": prompt, "n": n, "cap": cap, "greedy": greedy, "run": run}, time.time() + self.wait_s
         with self.cond:
+            if run is not None and run not in self.runs:  # closed while this call built its prompt
+                raise BadRequest(ENDED, code=410)
             self.waiting.append(mine)
             self.cond.notify_all()
             while "out" not in mine and (self.busy or len(self.waiting) < len(self.running) and time.time() < until):
@@ -706,9 +747,11 @@ class Chat:
                         (x[:c["cap"]], lp[:c["cap"]]) for x, lp in out]
 
 
-def serve_chat(policy, cfg, bind="127.0.0.1", port=0):
-    """The endpoint alone (AgentTask's, in every process that plays agents; train.py --serve) -> its server."""
-    token = bind_token(bind)
+def serve_chat(policy, cfg, bind="127.0.0.1", port=0, token=None):
+    """The endpoint alone -> its server. AgentTask's, in every process that plays agents, takes a key of its own
+    (`token`, random, given only to the agents' clients: model code run by a tool has none); train.py --serve's,
+    the run's token (bind_token)."""
+    token = token or bind_token(bind, cfg)
     server = Server((bind, port), Handler)
     server.hub, server.cfg, server.expect, server.chat, server.token = None, cfg, None, Chat(policy, cfg), token
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -18,6 +18,8 @@ import operator
 import os
 import random
 import re
+import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -38,7 +40,7 @@ from utils import Batch, all_reduce_sum, non_dumpable, rank, reply_ends, world
 class GymTask:
     """Any gymnasium env with discrete actions and Box observations (CartPole-v1, Acrobot-v1, ...). A batch's
     episodes step as one vector env, with ONE forward pass per step; group_size episodes share a reset seed."""
-    llm = False
+    llm, runs_model_text = False, False
 
     def __init__(self, cfg):
         self.cfg, self.vecs = cfg, {}
@@ -217,6 +219,8 @@ class LLMTask:
     llm = True
     rewards = [(1.0, numeric_match)]  # (weight, fn(prompt, completion, answer) -> float), summed
     tools = None  # functions the chat template describes to the model (ToolTask)
+    runs_model_text = False  # True where rewards or tools run what the model wrote (run_python; a grader's eval()):
+    # the run's processes are then non-dumpable from their start and a loopback trainer asks a token (README "Tokens")
 
     def __init__(self, cfg):
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
@@ -396,17 +400,86 @@ class Countdown(LLMTask):
         return countdown_correct(prompt, completion, answer)
 
 
-RUNNER = """import ctypes, resource, sys
+CONFINE = """import ctypes, os, resource, struct, sys
 libc = ctypes.CDLL(None)
 for cap in range(64):  # as root: no capability comes back with an exec (PR_CAPBSET_DROP; EPERM for other users)
     libc.prctl(24, cap)
 libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())  # and none now: no CAP_SYS_PTRACE
-cpu, mem, out = map(int, sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # seconds of CPU, then SIGXCPU
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))  # bytes of address space: a bigger allocation fails
-resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))  # bytes written to a file (stdout is one), then EFBIG
-del ctypes, resource, sys, libc, cap, cpu, mem, out
+libc.prctl(4, 0)  # non-dumpable: without Landlock, code cannot reach this process's pipes through /proc/PID/fd
+
+
+def limit(cpu, mem, out):
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # seconds of CPU, then SIGXCPU
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))  # bytes of address space: a bigger allocation fails
+    resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))  # bytes written to a file (stdout is one), then EFBIG
+
+
+def landlock(writable):
+    \"\"\"Linux's Landlock (5.13 and later, a no-op before): files may be read beneath Python's own folders and the
+    system's, and changed beneath `writable` alone (None: nowhere); no TCP connection or bind (6.7); no signal to a
+    process outside (6.12): not the trainer's run folder, token file or routes.\"\"\"
+    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
+    if abi < 1:
+        return
+    fs = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # every file right this kernel knows
+    attr = struct.pack("=QQQ", fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)  # files; TCP; signals, abstract sockets
+    ruleset = libc.syscall(444, attr, len(attr), 0)
+    read = 1 | 4 | 8  # execute, read a file, read a folder
+    roots = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), "/usr", "/lib", "/lib64"}
+    for path, rights in [*((p, read) for p in roots), *([(writable, fs)] if writable else [])]:
+        try:
+            folder = os.open(path, os.O_PATH)
+        except OSError:
+            continue
+        libc.syscall(445, ruleset, 1, struct.pack("=Qi", rights, folder), 0)  # PATH_BENEATH
+        os.close(folder)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS, which restrict_self asks of a process without CAP_SYS_ADMIN
+    libc.syscall(446, ruleset, 0)
+"""  # the start of every child that runs model text (run_python's and the graders')
+
+RUNNER = CONFINE + """limit(*map(int, sys.argv[1:4]))
+landlock(os.getcwd())
+del ctypes, os, resource, struct, sys, libc, cap, limit, landlock
 exec(compile(open("main.py").read(), "main.py", "exec"))
+"""
+
+GRADER = CONFINE + """import json, select, signal
+import reasoning_gym
+name, config, cpu, mem, wall = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:5]), float(sys.argv[5])
+data = reasoning_gym.create_dataset(name, **config)
+print("ready", flush=True)
+for line in sys.stdin:  # {"answer": text, "index": i, "question": item i's}: its score on the next line of stdout
+    ask = json.loads(line)
+    entry = data[ask["index"]]
+    if entry["question"] != ask["question"]:  # built otherwise than in the trainer (a hash seed of its own)
+        print("other item", flush=True)
+        continue
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # one fresh process per reply: what one reply changes (the grader itself) dies with it
+        os.setsid()
+        os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+        os.dup2(0, 1)
+        limit(cpu, mem, 0)
+        landlock(None)
+        try:
+            score = float(data.score_answer(ask["answer"], entry))
+        except BaseException:  # a grader that trips over a malformed answer: the answer is worth nothing
+            score = 0.0
+        os.write(w, repr(score).encode())
+        os._exit(0)
+    os.close(w)
+    out = os.read(r, 64) if select.select([r], [], [], wall)[0] else b""  # nothing within wall seconds: 0
+    os.close(r)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the reply's process and any it started
+    except OSError:
+        pass
+    os.waitpid(pid, 0)
+    try:
+        print(min(max(float(out), 0.0), 1.0), flush=True)
+    except ValueError:
+        print(0.0, flush=True)
 """
 
 
@@ -438,6 +511,59 @@ def run_python(code, wall_s=10.0, cpu_s=5, mem_mb=512, out_kb=64):
                else f"used more than {cpu_s} s of CPU")
         return f"error: {why}; stopped\n{text[-500:]}"
     return text if status == 0 else f"error: exit code {status}\n{text[-2000:]}"
+
+
+class Graders:
+    """reasoning-gym's grader, in a child process: several datasets' graders hand the reply to eval() or sympy's
+    parser, so a reply could read the trainer's environment, rewrite the grader for every later reply, or hold the
+    step for minutes. The child (no capabilities, an empty environment, a temporary folder) builds the dataset once,
+    then forks a process per reply that may write no file and scores it within cpu_s of CPU and wall_s of time
+    (else 0). A reply can still forge its own score (it runs in the process that scores it), not another's; a
+    process it leaves behind can slow the next replies' grading (no process-count limit)."""
+    cpu_s, mem_mb, wall_s = 5, 4096, 10.0
+
+    def __init__(self, name, config):
+        self.args, self.proc, self.lock = [name, json.dumps(config)], None, threading.Lock()
+
+    def start(self):
+        self.folder = tempfile.TemporaryDirectory(prefix="flatrl-grade-")
+        limits = [str(self.cpu_s), str(self.mem_mb * 2**20), str(self.wall_s)]
+        seed = {"PYTHONHASHSEED": os.environ["PYTHONHASHSEED"]} if "PYTHONHASHSEED" in os.environ else {}
+        with open(os.path.join(self.folder.name, "stderr"), "w+") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", GRADER, *self.args, *limits], env=seed, stderr=err,
+                                         cwd=self.folder.name, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, start_new_session=True)
+            if self.answer(600) != "ready\n":  # imports and the dataset: a failure here is no reply's doing
+                err.seek(0)
+                said = err.read().strip().splitlines() or ["no output"]
+                raise SystemExit(f"the graders' child did not start: {said[-1]}")
+
+    def answer(self, timeout):
+        """The child's next line, or "" if none comes within timeout seconds (a stopped or killed child)."""
+        if select.select([self.proc.stdout], [], [], timeout)[0]:
+            return self.proc.stdout.readline()
+        return ""
+
+    def score(self, answer, index, question):
+        with self.lock:
+            if self.proc is None:
+                self.start()
+            try:
+                self.proc.stdin.write(json.dumps({"answer": answer, "index": index, "question": question}) + "\n")
+                self.proc.stdin.flush()
+                out = self.answer(self.wall_s + 5)
+            except OSError:
+                out = ""
+            if out == "other item\n":
+                raise SystemExit("the grader's child built another item than this process did: the dataset "
+                                 "iterates Python sets (README, reasoning-gym): set PYTHONHASHSEED=0")
+            try:
+                return float(out)
+            except ValueError:  # the reply stopped or killed the child: a new one for the next reply, this one 0
+                self.proc.kill()
+                self.proc.wait()
+                self.proc = None
+                return 0.0
 
 
 class ToolTask(LLMTask):
@@ -549,6 +675,7 @@ class AgentTask(LLMTask):
     raises, runs past --agent-timeout, calls more than --max-turns times, never calls, or answers neither a text nor
     a number gets reward 0, counted in agent_errors_<cause>."""
     server = None  # this process's endpoint, started by the first play
+    runs_model_text = True  # an agent's tools may
 
     def __init__(self, cfg):
         if importlib.util.find_spec("openai") is None:  # the agents' client
@@ -570,14 +697,14 @@ class AgentTask(LLMTask):
         import openai
         from serve import serve_chat
         if self.server is None:
-            self.server, self.http = serve_chat(policy, self.cfg), httpx.Client()  # one connection pool for all
-        non_dumpable()  # an agent may run model-written code
+            self.key = secrets.token_urlsafe(32)  # the agents' key: model code their tools run has none
+            self.server, self.http = serve_chat(policy, self.cfg, token=self.key), httpx.Client()  # one pool for all
         chat, url = self.server.chat, f"http://127.0.0.1:{self.server.server_port}/v1"
         runs = [uuid.uuid4().hex for _ in range(len(problems) * n)]
         outcomes = [None] * len(runs)
         chat.open(runs, greedy)
 
-        clients = [openai.OpenAI(base_url=url, api_key=os.environ.get("FLATRL_TOKEN") or "flatrl", max_retries=0,
+        clients = [openai.OpenAI(base_url=url, api_key=self.key, max_retries=0,
                                  timeout=self.cfg.agent_timeout, http_client=self.http,
                                  default_headers={"X-Flatrl-Episode": run}) for run in runs]
 
@@ -608,7 +735,7 @@ class AgentTask(LLMTask):
         prompts, tails, masks, logps = map(list, zip(*rows))
         cut = [bool(t) and not policy.ended(t) and of[r + 1:r + 2] != [of[r]] for r, t in enumerate(tails)]
         batch = policy.to_batch(prompts, tails, masks, logps if self.cfg.record_sampler else None, cut,
-                                group=[e // n for e in of])
+                                group=[e // n for e in of], run=of)
         return batch, runs, of
 
     def rollout(self, policy, step):
@@ -629,7 +756,7 @@ class AgentTask(LLMTask):
                 to_end = len(runs[e][2]) - 1 if self.cfg.credit == "episode" else later[e]
                 batch.rewards[r, ends[r].nonzero()[-1]] = R[e] * d**to_end
             later[e] += k
-        batch.stats = {"accuracy": sum(right) / len(runs), "gen_s": gen_s,
+        batch.stats = {"accuracy": sum(right) / len(runs), "gen_s": gen_s, "rows_per_run": len(of) / len(runs),
                        "gen_tok_s": batch.mask.sum().item() / gen_s, **self.agent_stats(runs)}
         return batch
 
@@ -694,14 +821,20 @@ class ReasoningGym(LLMTask):
     the run's seed and step pick the indices. Rewarded by the dataset's own grader, score_answer, on the reply's
     last <answer> tag, or on the whole reply without one (0 to 1); correct = a score of 1."""
     instruction = "\n\nGive your final answer in <answer></answer> tags."
+    runs_model_text = True  # several graders eval() the reply (in Graders' child)
     retry = "That is not right. Try again, with your final answer in <answer></answer> tags."
 
     def __init__(self, cfg):
-        self.data = rg_dataset(cfg.task.partition(":")[2], cfg.rg_config)
+        self.data, config = rg_dataset(cfg.task.partition(":")[2], cfg.rg_config)
+        self.graders = Graders(cfg.task.partition(":")[2], config)
         super().__init__(cfg)
+        for _, entry in self.eval_set[:8]:  # now, not at the first reward: does the child build the same items?
+            self.score("", entry)
 
     def problem(self, rng):
-        entry = self.data[rng.randrange(len(self.data))]
+        i = rng.randrange(len(self.data))
+        entry = self.data[i]
+        entry["metadata"]["source_index"] = i  # the grader's child builds entry i again
         return entry["question"], entry  # the whole entry: graders read its metadata
 
     def build_prompt(self, question):
@@ -709,10 +842,8 @@ class ReasoningGym(LLMTask):
 
     def score(self, completion, entry):
         answer = answer_tag(completion)  # the last tagged answer; a reply without tags is graded whole
-        try:
-            return float(self.data.score_answer(completion.strip() if answer is None else answer, entry))
-        except Exception:  # a grader that trips over a malformed answer: the answer is worth nothing
-            return 0.0
+        return self.graders.score(completion.strip() if answer is None else answer, entry["metadata"]["source_index"],
+                                  entry["question"])
 
     def reward(self, prompt, completion, answer):
         return self.score(completion, answer)
@@ -726,7 +857,8 @@ class ReasoningGym(LLMTask):
 
 def rg_dataset(name, config_json):
     """reasoning-gym's dataset `name` built with the JSON config, or a one-line config error. Its seed is fixed (0)
-    and its size 10,000 unless the JSON says otherwise: the same problems for every run, the held-out ones too."""
+    and its size 10,000 unless the JSON says otherwise: the same problems for every run, the held-out ones too.
+    -> (the dataset, its whole config: the graders' child builds it again)"""
     try:
         import reasoning_gym  # optional: pip install -e ".[tasks]"
     except ImportError:
@@ -748,7 +880,8 @@ def rg_dataset(name, config_json):
         raise SystemExit(f"config error: --rg-config: rg:{name} has no field {unknown[0]!r}; its fields: "
                          f"{', '.join(fields)}")
     try:
-        return reasoning_gym.create_dataset(name, **{"seed": 0, "size": 10_000, **config})
+        config = {"seed": 0, "size": 10_000, **config}
+        return reasoning_gym.create_dataset(name, **config), config
     except (TypeError, ValueError, AssertionError) as e:  # a value of the wrong type, or one its validate refuses
         raise SystemExit(f"config error: --rg-config {config_json}: rg:{name} refuses it: {e}")
 

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import config as config_lib
-from algos import ADVANTAGES, group_stats, loss_weights, needs_groups, pg_loss, value_loss
+from algos import ADVANTAGES, loss_weights, needs_groups, pg_loss, run_stats, value_loss
 from model import HFPolicy, MLPPolicy, check_parity, save_adapter
 from serve import WORKER, AsyncSource, SyncSource, run_worker, serve_chat
 from tasks import TASKS, task_class
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
-                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, peak_flops, rank,
+                   fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, non_dumpable, peak_flops, rank,
                    reshard, rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
 
 
@@ -209,7 +209,7 @@ def batch_metrics(batch, cfg, say):
     out = {"reward": R.mean().item(), "reward_std": R.std().item() if len(R) > 1 else 0.0,
            "length": batch.mask.sum(1).mean().item(), "truncated": batch.truncated.float().mean().item()}
     if cfg.group_size > 1:  # groups that teach nothing under grpo / rloo: every sample got the same reward
-        out["zero_var_groups"] = (group_stats(R, batch.group)[1] == 0).float().mean().item()
+        out["zero_var_groups"] = (run_stats(batch)[1] == 0).float().mean().item()
     return {**out, **sampler_gap(batch, cfg, say), **batch.stats}
 
 
@@ -341,6 +341,8 @@ def results_line(cfg, log, llm):
 def main(argv=None):
     began = time.time()  # the run's clock (time_s, "solved after"): from here, the model's loading included
     cfg = config_lib.parse(argv, {"task": list(TASKS), "algo": list(ADVANTAGES)})
+    if task_class(cfg.task).runs_model_text:  # from the start: no process of this user reads the token from memory
+        non_dumpable()
     if (cfg.ask or cfg.serve) and not (task_class(cfg.task).llm and cfg.resume):
         flag = "--ask answers" if cfg.ask else "--serve serves"
         raise SystemExit(f"config error: {flag} with a trained LLM run: python train.py --resume RUN_DIR "

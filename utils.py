@@ -5,6 +5,7 @@ import contextlib
 import csv
 import ctypes
 import dataclasses
+import functools
 import gc
 import ipaddress
 import itertools
@@ -37,6 +38,7 @@ class Batch:
                             environment tokens between the turns of a multi-turn episode
     rewards   [N, T] float  per-step reward; LLM tasks put the scalar reward on the last real token
     group     [N]    long   samples with one id share a prompt (or an env reset seed)
+    run       [N]    long   LLM: rows with one id are one episode (an agent run can be several rows)
     truncated [N]    bool   cut by the step / token limit instead of ending by itself
     attn      [N, P + T]    LLM attention mask (prompt padding and completion padding are 0)
     The loop fills, all [N, T]: old_logp (policy that sampled, scored by the trainer), sampler_logp
@@ -49,6 +51,7 @@ class Batch:
     group: torch.Tensor
     truncated: torch.Tensor
     attn: torch.Tensor = None
+    run: torch.Tensor = None
     old_logp: torch.Tensor = None
     sampler_logp: torch.Tensor = None
     ref_logp: torch.Tensor = None
@@ -224,6 +227,45 @@ def non_dumpable():
     (py-spy, gdb) and a crash writes no core dump. Linux only; elsewhere nothing changes."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE = 4
+
+
+LOCAL_TOKENS = os.path.expanduser("~/.cache/flatrl/tokens")  # a loopback trainer's own token, a file per port
+
+
+@functools.cache
+def file_token(path):
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise SystemExit(f"config error: --token-file {path}: {e.strerror}")
+    if not token:
+        raise SystemExit(f"config error: --token-file {path} is empty: write the token in it")
+    return token
+
+
+def bearer_token(cfg):
+    """The token flatrl's servers ask and its clients send: read once from --token-file, else FLATRL_TOKEN; None:
+    none. An environment variable can be read from /proc/PID/environ by the user's other processes (a launcher
+    such as torchrun is not non-dumpable) and passes to every child; a file is read once, by flatrl alone."""
+    return file_token(cfg.token_file) if cfg.token_file else os.environ.get("FLATRL_TOKEN") or None
+
+
+def local_token(port, token=None):
+    """A loopback trainer's own token for `port`: written (mode 0600) when given, else read (None: there is none).
+    Workers on this machine read it; model text cannot (its children may read no file outside Python's own)."""
+    path = os.path.join(LOCAL_TOKENS, str(port))
+    if token is None:
+        with contextlib.suppress(OSError), open(path) as f:
+            return f.read().strip() or None
+        return None
+    os.makedirs(LOCAL_TOKENS, mode=0o700, exist_ok=True)
+    fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    os.replace(path + ".new", path)  # whole, at once: a worker never reads half a token
+    return token
 
 
 def loopback(host):

@@ -79,7 +79,7 @@ def main():
                           + "".join(f", {k} {r[k]:.3f}" for k in ("eval_acc_turn1", "eval_tool_use") if k in r))
                 for r in res[name]["trained"]:
                     print(f"  step {r['step']:.0f}: reward {r['reward']:.3f}, turns {r.get('turns', 1):.2f}"
-                          + "".join(f", {k} {r[k]:.2f}" for k in ("tool_calls", "tool_errors", "agent_errors") if k in r))
+                          + "".join(f", {k} {r[k]:.2f}" for k in ("tool_calls", "tool_errors", "agent_errors", "rows_per_run") if k in r))
         print(f"\nseed {seed} | s/step (median) | generated tokens/step | replies/episode | "
               + " | ".join(f"eval_acc (turn 1) by {m:.0f} s" for m in marks))
         print("|---" * (4 + len(marks)) + "|")

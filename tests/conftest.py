@@ -22,6 +22,14 @@ if os.environ.get("FLATRL_TEST_FORK"):  # test_config's fork test: the tests aga
     algos.ADVANTAGES["fork_rloo"] = algos.rloo
 
 
+def pytest_collection_modifyitems(items):
+    """A test that builds a language model is marked llm: bf16 autocast and the sampler's dtype follow what flatrl
+    decides from the CPU (utils.fast_bf16), so .ci/run runs these again with the other answer forced."""
+    for item in items:
+        if "tiny_llm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.llm)
+
+
 def smol_cached():
     """Is SmolLM2 in the Hugging Face cache (wherever HF_HOME / HF_HUB_CACHE put it)?"""
     from huggingface_hub import try_to_load_from_cache

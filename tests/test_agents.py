@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import train
-from algos import group_stats
 from conftest import SMOL, needs_smol
 from model import HFPolicy, parse_tool_calls, render, tool_schema
 from serve import serve_chat
@@ -198,9 +197,6 @@ def test_a_call_that_rewrites_history_starts_a_row_of_its_own():
              {"prompt": [1, 7], "ids": [6], "logps": [-4.0]}]  # does not: a row of its own
     assert agent_rows(calls) == [([1, 2], [3, 4, 9, 5], [1, 1, 0, 1], [-1.0, -2.0, 0.0, -3.0]),
                                  ([1, 7], [6], [1], [-4.0])]
-    centered, std, size = group_stats(torch.tensor([1.0, 1.0, 0.0, 2.0, 2.0]), torch.tensor([0, 0, 0, 1, 1]))
-    assert torch.allclose(centered, torch.tensor([1 / 3, 1 / 3, -2 / 3, 0, 0])) and size.tolist() == [3, 3, 3, 2, 2]
-    assert std[3] == 0 and abs(std[0] - (1 / 3) ** 0.5) < 1e-6
 
 
 # --- AgentTask: bad agents, training ---------------------------------------------------------------------------
@@ -248,6 +244,35 @@ def test_bad_agents_get_reward_0_and_are_counted_by_cause(tiny_llm, monkeypatch)
     assert task.late == [410] and task.server.chat.runs == {} and not task.server.chat.running
     assert task.rollout(policy, 1).stats["agent_errors"] == 5  # the next step is not disturbed
 
+
+
+class Stalled(AgentTask, Calc):
+    """Each agent calls once; the sampler takes longer than --agent-timeout."""
+
+    def agent(self, client, question):
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}]).choices[
+            0].message.content
+
+
+def test_a_cut_off_agents_generate_ends_before_the_rollout_returns(tiny_llm, monkeypatch, capfd):
+    cfg = llm_cfg(tiny_llm, task="calc", max_turns=2, batch_size=2, group_size=2, n_eval=2, agent_timeout=0.5)
+    policy, task = HFPolicy(cfg), Stalled(cfg)
+    ended, sample = [], policy.sample
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)
+        out = sample(*args, **kwargs)
+        ended.append(time.time())
+        return out
+    monkeypatch.setattr(policy, "sample", slow)
+    batch = task.rollout(policy, 0)
+    returned = time.time()
+    assert len(ended) == 1 and ended[0] <= returned  # nothing of the step's agents runs into the publish
+    assert batch.stats["agent_errors"] == 2 and batch.mask.sum() == 0, batch.stats  # the late replies: not recorded
+    time.sleep(0.5)
+    assert len(ended) == 1 and task.server.chat.runs == {} and not task.server.chat.waiting
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err  # a client that went away is no error
 
 def wrap_names(init, counter):
     def named(self, *args, **kwargs):  # agent threads numbered in start order
@@ -325,3 +350,19 @@ def test_an_agent_task_without_the_openai_package_is_a_one_line_error(tiny_llm, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else find(name, *a))
     with pytest.raises(SystemExit, match=r'agent tasks need the openai package: pip install -e "\.\[agents\]"'):
         CalcAgent(llm_cfg(tiny_llm, task="calc_agent"))
+
+
+def test_the_agent_endpoint_answers_only_its_agents_key(tiny_llm, monkeypatch):
+    from tasks import run_python
+    monkeypatch.setenv("FLATRL_TOKEN", "the-clusters-secret")
+    cfg = llm_cfg(tiny_llm, task="calc", max_turns=2, batch_size=2, group_size=2, n_eval=2, max_new_tokens=4)
+    policy, task = HFPolicy(cfg), CalcAgent(cfg)
+    task.rollout(policy, 0)  # starts the endpoint; its agents called it with their key
+    url = f"http://127.0.0.1:{task.server.server_port}/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert task.key != "the-clusters-secret"
+    for key in (None, "the-clusters-secret", "flatrl"):
+        assert post(url, body, {"Authorization": f"Bearer {key}"} if key else {})[0] == 401
+    assert post(url, body, {"Authorization": f"Bearer {task.key}"})[0] == 200
+    code = f"import urllib.request\nurllib.request.urlopen({url!r}, data=b'{{}}', timeout=5)"
+    assert run_python(code).startswith("error: exit code 1")  # model code: no key, and no TCP connection at all

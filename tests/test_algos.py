@@ -131,6 +131,37 @@ def test_grpo_eps_is_added_to_std():
     assert A[0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 0.1), abs=1e-6)
 
 
+
+def test_baselines_count_an_agent_run_in_two_rows_once():
+    # one group: run A in two rows (each carries A's reward 1, on its last token), run B in one row (reward 0)
+    b = batch([[0.0, 1], [1, 0], [0, 0]], [[1.0, 1], [1, 0], [1, 1]], group=[0, 0, 0])
+    b.run = torch.tensor([0, 0, 1])
+    A, _ = ADVANTAGES["rloo"](b, cfg())
+    assert A[:, 0].tolist() == [1.0, 1.0, -1.0]  # per run: 1 - 0 and 0 - 1 (per row it was .5, .5, -1)
+    A, _ = ADVANTAGES["grpo"](b, cfg(adv_eps=0.0))
+    s = 0.5 / math.sqrt(0.5)  # runs 1 and 0: mean .5, unbiased std .7071 (per row: .577, .577, -1.155)
+    assert torch.allclose(A[:, 0], torch.tensor([s, s, -s]))
+
+
+def test_turn_credit_numbers_a_runs_replies_across_its_rows():
+    # run A: reply 0 in row 0, reply 1 in row 1 (its history rewritten), reward 1; run B: replies 0 and 1 in one
+    # row, reward 0. Discount 1: A's returns per reply [1, 1], B's [0, 0]: reply 0 is 1 - 0 = 1 and 0 - 1 = -1,
+    # reply 1 the same. Per row, A's second row would be its reply 0 and be compared with B's reply 0.
+    b = batch([[1.0, 0], [1, 0], [0, 0]], [[1.0, 0], [1, 0], [1, 1]], group=[0, 0, 0])
+    b.run = torch.tensor([0, 0, 1])
+    A, _ = ADVANTAGES["rloo"](b, cfg(credit="turn", turn_discount=1.0))
+    assert A.tolist() == [[1.0, 0.0], [1.0, 0.0], [-1.0, -1.0]]
+
+
+@pytest.mark.parametrize("algo,credit", [("grpo", "episode"), ("rloo", "episode"), ("rloo", "turn")])
+def test_runs_of_one_row_each_train_exactly_as_rows(algo, credit):
+    torch.manual_seed(0)
+    mask = (torch.rand(8, 5) < 0.8).float()
+    b = batch((torch.rand(8, 5) * mask).tolist(), mask.tolist(), group=[0] * 4 + [1] * 4)
+    A, _ = ADVANTAGES[algo](b, cfg(credit=credit, norm_std=credit == "episode"))
+    b.run = torch.arange(8)
+    assert torch.equal(ADVANTAGES[algo](b, cfg(credit=credit, norm_std=credit == "episode"))[0], A)
+
 def agg(mode, max_len=None):
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
     adv = torch.tensor([[1.0, 2, 3], [4, 0, 0]])

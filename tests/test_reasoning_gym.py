@@ -158,7 +158,8 @@ def test_a_trainer_and_a_rollout_worker_train_an_rg_task(tiny_llm, tmp_path):
     from test_serve import trainer_and_worker
     common = ["--task", "rg:basic_arithmetic", "--rg-config", SMALL, "--model", tiny_llm, "--algo", "grpo",
               "--batch-size", "8", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4", "--lora-r", "4",
-              "--gen-dtype", "float32", "--connect-timeout", "60", "--ent-coef", "0.001"]  # every row scored: logp_gap
+              "--gen-dtype", "float32", "--no-bf16", "--connect-timeout", "60",
+              "--ent-coef", "0.001"]  # fp32 on both sides, whatever the CPU; ent-coef: every row scored (logp_gap)
     trained, _ = trainer_and_worker(tmp_path, common, 2)
     assert len(trained) == 2 and all(float(r["logp_gap"]) < 1e-4 for r in trained)
     assert json.loads((tmp_path / "t" / "samples.jsonl").read_text().splitlines()[0])["answer"] == \
@@ -180,3 +181,47 @@ def test_the_readmes_forked_task_scores_with_reasoning_gyms_grader():
         right = "<answer>" + " + ".join(map(str, numbers)) + "</answer>"  # right, for the target it sums to
         assert task.reward(question, right, (numbers, sum(numbers))) == 1.0
         assert task.reward(question, right, (numbers, sum(numbers) + 1)) == 0.05
+
+
+def test_a_graders_reply_reaches_neither_the_trainers_environment_nor_later_replies(tmp_path, monkeypatch):
+    # rg:string_insertion's grader eval()s a reply that is not the answer (its "list of characters" form)
+    monkeypatch.setenv("FLATRL_TOKEN", "secret")
+    task = rg_task("string_insertion")
+    question, entry = task.eval_set[0]
+    leak = tmp_path / "leak"
+    steal = f"open({str(leak)!r}, 'w').write(__import__('os').environ.get('FLATRL_TOKEN', 'none'))"
+    assert task.reward(question, f"<answer>{steal}</answer>", entry) == 0.0
+    assert not leak.exists()  # no file written (and the child's environment is empty)
+    rewrite = "setattr(type(__import__('gc').get_referrers(type)[0]), 'x', 1) or list('ab')"
+    cheat = ("[setattr(c, 'score_answer', lambda self, a, e: 1.0) for c in "
+             "object.__subclasses__.__self__.__subclasses__() if c.__name__ == 'StringInsertionDataset'] and 'x'")
+    task.reward(question, f"<answer>{cheat}</answer>", entry)
+    task.reward(question, f"<answer>{rewrite}</answer>", entry)
+    assert task.reward(question, "<answer>wrong</answer>", entry) == 0.0  # the grader is the dataset's own again
+    assert task.reward(question, f"<answer>{entry['answer']}</answer>", entry) == 1.0
+
+
+def test_a_reply_that_hangs_its_grader_scores_0_within_the_limit():
+    import time
+    task = rg_task("string_insertion")
+    question, entry = task.eval_set[0]
+    start = time.time()
+    assert task.reward(question, "<answer>len(str(9**9**8))</answer>", entry) == 0.0
+    assert time.time() - start < task.graders.wall_s + 2
+    assert task.reward(question, f"<answer>{entry['answer']}</answer>", entry) == 1.0  # and the next is graded
+
+
+def test_a_dataset_whose_items_follow_the_hash_seed_needs_pythonhashseed_for_its_graders():
+    # isomorphic_strings iterates Python sets: the graders' child builds other items unless both share a hash seed
+    code = "from test_reasoning_gym import rg_task; rg_task('isomorphic_strings'); print('built')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(__file__),
+                           env={**env, **seed}) for seed in ({}, {"PYTHONHASHSEED": "0"})]
+    assert outs[0].returncode == 1 and "set PYTHONHASHSEED=0" in outs[0].stderr.strip().splitlines()[-1]
+    assert outs[1].stdout.endswith("built\n")  # one seed for both: graded as built
+
+
+def test_a_graders_child_that_cannot_start_stops_the_run_not_scores_0():
+    from tasks import Graders
+    with pytest.raises(SystemExit, match="the graders' child did not start: .*no_such_dataset"):
+        Graders("no_such_dataset", {}).score("1", 0, "What is 1?")

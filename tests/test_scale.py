@@ -132,7 +132,10 @@ def test_a_pushed_batch_trains_two_ranks_like_one_process(tmp_path):
 def test_the_cluster_recipe_runs_two_trainer_nodes_and_a_worker(tmp_path):
     launch = os.path.join(ROOT, "configs", "cluster", "launch.sh")
     env = {**os.environ, "HEAD": "127.0.0.1", "BIND": "127.0.0.1", "PORT": str(free_port()), "NNODES": "2",
-           "RDZV_PORT": str(free_port()), "CONFIG": "configs/cartpole_grpo.yaml", "FLATRL_TOKEN": "s3cret"}
+           "RDZV_PORT": str(free_port()), "CONFIG": "configs/cartpole_grpo.yaml",
+           "TOKEN_FILE": str(tmp_path / "token")}
+    env.pop("FLATRL_TOKEN", None)  # the token from a file: neither torchrun nor the shell holds it
+    (tmp_path / "token").write_text("s3cret\n")
     flags = ["--steps", "6", "--no-stop-when-solved", "--eval-every", "0", "--connect-timeout", "60"]
     nodes = [spawn(cmd=["bash", launch, *flags, "--out", str(tmp_path / "t")], env={**env, "ROLE": "trainer", "NODE_RANK": str(i)})
              for i in range(2)]
@@ -286,7 +289,10 @@ def test_ranks_stop_together_on_rank_0s_decision(tmp_path):
 def test_launch_sh_checks_its_preconditions_in_one_line_each(tmp_path):
     launch = os.path.join(ROOT, "configs", "cluster", "launch.sh")
     base = {k: v for k, v in os.environ.items() if k != "FLATRL_TOKEN"}
-    cases = [({"ROLE": "trainer", "HEAD": "127.0.0.1", "CONFIG": "configs/cartpole_grpo.yaml"}, "set FLATRL_TOKEN"),
+    cases = [({"ROLE": "trainer", "HEAD": "127.0.0.1", "CONFIG": "configs/cartpole_grpo.yaml"},
+              "set TOKEN_FILE or FLATRL_TOKEN"),
+             ({"ROLE": "trainer", "HEAD": "127.0.0.1", "CONFIG": "configs/cartpole_grpo.yaml",
+               "TOKEN_FILE": str(tmp_path / "none")}, "is not a readable file"),
              ({"ROLE": "trainer", "HEAD": "no-such-host.invalid", "CONFIG": "configs/cartpole_grpo.yaml", "BIND": "127.0.0.1"},
               "does not resolve"),
              ({"ROLE": "rollout", "HEAD": "127.0.0.1", "CONFIG": "configs/nope.yaml"}, "is not a file"),

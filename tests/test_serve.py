@@ -507,3 +507,89 @@ def test_the_end_waits_for_a_worker_as_long_as_its_longest_gap_between_requests(
         clock[0] += gap
         hub.heard("w")
     assert hub.gap == {"w": 40} and hub.seen == {"w": 148.0}  # close() waits up to 80 s for it, not 30
+
+
+def test_a_trainer_whose_task_runs_model_text_asks_a_token_on_loopback(tmp_path, monkeypatch):
+    import utils
+    from serve import trainers_own_token
+    from tasks import run_python
+    monkeypatch.delenv("FLATRL_TOKEN", raising=False)
+    monkeypatch.setattr(utils, "LOCAL_TOKENS", str(tmp_path / "tokens"))
+    cfg = Config(role="trainer", port=0, batch_size=4, group_size=2, out=str(tmp_path))
+    task = GymTask(Config(**{**cfg.__dict__, "role": "rollout"}))
+    task.runs_model_text = True  # as an agent task, a reasoning-gym task or a tool task that runs code declare
+    src = AsyncSource(task, MLPPolicy(4, 2, 8), cfg, Logger(str(tmp_path), 0, 1), version=0)
+    try:
+        port, url = src.server.server_port, f"http://127.0.0.1:{src.server.server_port}"
+        assert post(port, b"made-up batch")[0] == 401  # a local process without the token
+        token = trainers_own_token(url)
+        assert token and oct(os.stat(tmp_path / "tokens" / str(port)).st_mode & 0o777) == "0o600"
+        assert post(port, b"made-up batch", {"Authorization": f"Bearer {token}"})[0] == 400  # heard: a bad body
+        steal = f"print(open({str(tmp_path / 'tokens' / str(port))!r}).read())"
+        assert run_python(steal).startswith("error: exit code 1") and token not in run_python(steal)
+    finally:
+        src.hub.done = True
+        src.server.shutdown()
+        src.server.server_close()
+    task.runs_model_text = False  # a task that runs none: loopback stays open, as before
+    src = AsyncSource(task, MLPPolicy(4, 2, 8), cfg, Logger(str(tmp_path), 0, 1), version=0)
+    assert post(src.server.server_port, b"made-up batch")[0] == 400
+    src.hub.done = True
+    src.server.shutdown()
+    src.server.server_close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
+                    reason="drops to the unprivileged user nobody: needs root, and a Python nobody may run")
+def test_a_non_dumpable_process_hides_its_token_from_the_users_other_processes():
+    # As nobody (the project's Python, under /root, is closed to it: the system's runs utils.non_dumpable's own code).
+    import inspect
+
+    import utils
+    holder = ("import contextlib, ctypes, sys\n" + inspect.getsource(utils.non_dumpable) +
+              "if sys.argv[1] == '1':\n    non_dumpable()\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    reader = "import sys\ntry:\n    print(open(f'/proc/{sys.argv[1]}/environ').read())\nexcept OSError as e:\n    print(e)"
+
+    def as_nobody():
+        os.setgid(65534)
+        os.setuid(65534)
+    seen = {}
+    for hidden in ("0", "1"):
+        p = subprocess.Popen(["/usr/bin/python3", "-c", holder, hidden], env={"FLATRL_TOKEN": "s3cret"}, cwd="/",
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=as_nobody)
+        assert p.stdout.readline() == "ready\n"
+        seen[hidden] = subprocess.run(["/usr/bin/python3", "-c", reader, str(p.pid)], capture_output=True, text=True,
+                                      cwd="/", env={}, preexec_fn=as_nobody).stdout
+        p.communicate("")
+    assert "s3cret" in seen["0"] and "s3cret" not in seen["1"] and "Permission denied" in seen["1"]
+
+
+def test_a_run_whose_task_runs_model_text_is_non_dumpable_from_its_start(tiny_llm, monkeypatch):
+    import ctypes
+    import train
+    libc = ctypes.CDLL(None)
+    libc.prctl(4, 1)  # PR_SET_DUMPABLE: as a process starts (an earlier test's run_python made this one not)
+    assert libc.prctl(3) == 1  # PR_GET_DUMPABLE
+    with pytest.raises(SystemExit):  # the shortest run: score fixed prompts and exit
+        train.main(["--task", "rg:basic_arithmetic", "--model", tiny_llm, "--check-parity", "--n-eval", "4",
+                    "--batch-size", "8", "--group-size", "2", "--lora-r", "4"])
+    try:
+        assert libc.prctl(3) == 0
+    finally:
+        libc.prctl(4, 1)  # dumpable again, for the tests after this one
+
+
+def test_the_token_file_is_read_once_and_a_bad_one_is_one_line(tmp_path, monkeypatch):
+    from utils import bearer_token, file_token
+    monkeypatch.setenv("FLATRL_TOKEN", "from-the-environment")
+    (tmp_path / "token").write_text("from-the-file\n")
+    assert bearer_token(Config(token_file=str(tmp_path / "token"))) == "from-the-file"
+    (tmp_path / "token").write_text("changed")
+    assert bearer_token(Config(token_file=str(tmp_path / "token"))) == "from-the-file"  # read once
+    assert bearer_token(Config()) == "from-the-environment"
+    file_token.cache_clear()
+    with pytest.raises(SystemExit, match=r"--token-file .*missing: No such file"):
+        bearer_token(Config(token_file=str(tmp_path / "missing")))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit, match="is empty: write the token in it"):
+        bearer_token(Config(token_file=str(tmp_path / "empty")))
