@@ -332,11 +332,13 @@ class AsyncSource:
         self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
         self.server = None  # under torchrun only rank 0 serves; the others get every batch from it (next_batch)
         if rank() == 0:
-            self.server = Server((cfg.bind, cfg.port), Handler)
+            self.server = Server((cfg.bind, cfg.port), Handler, bind_and_activate=False)
             self.server.hub, self.server.cfg, self.server.expect, self.server.token = self.hub, cfg, self.expect, token
             self.server.chat = None
-            if made:  # before the first request is served: local workers read it (utils.local_token)
+            self.server.server_bind()  # the port; a worker that connects before listen() is refused and reads again
+            if made:  # written before any connection is taken: local workers read it (utils.local_token)
                 local_token(self.server.server_port, token)
+            self.server.server_activate()
             threading.Thread(target=self.server.serve_forever, daemon=True).start()
             log.say(f"trainer listening on http://{cfg.bind}:{self.server.server_port} (version {version})" +
                     (f"; this task runs model text, so the routes ask a token on loopback too, one of the run's own "
@@ -424,6 +426,8 @@ class AsyncSource:
             time.sleep(0.1)
         self.server.shutdown()
         self.server.server_close()
+        if self.server.token and self.server.token == local_token(self.server.server_port):
+            local_token(self.server.server_port, "")  # this run's own: nobody needs it now
 
 
 # --- the worker's side --------------------------------------------------------------------------------

@@ -252,9 +252,14 @@ def bearer_token(cfg):
 
 
 def local_token(port, token=None):
-    """A loopback trainer's own token for `port`: written (mode 0600) when given, else read (None: there is none).
-    Workers on this machine read it; model text cannot (its children may read no file outside Python's own)."""
+    """A loopback trainer's own token for `port`: written (mode 0600) when given, removed when "" (its run ended),
+    else read (None: there is none). Workers on this machine read it; model text cannot (its children may read no
+    file outside Python's own)."""
     path = os.path.join(LOCAL_TOKENS, str(port))
+    if token == "":
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return None
     if token is None:
         with contextlib.suppress(OSError), open(path) as f:
             return f.read().strip() or None

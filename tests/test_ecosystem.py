@@ -191,7 +191,7 @@ def test_every_column_a_run_writes_is_in_the_readmes_table(tiny_llm, tmp_path):
                     "--out", str(tmp_path / "trainer"))
     worker = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--tis-clip", "2",
                    "--out", str(tmp_path / "worker"))
-    finish(trainer), finish(worker)
+    finish(trainer, partners=[worker]), finish(worker)
     columns = {}
     for run in ("sync", "tool", "agent", "trainer", "worker"):
         columns[run] = set(csv.DictReader(open(tmp_path / run / "metrics.csv")).fieldnames)

@@ -215,6 +215,7 @@ def test_a_dataset_whose_items_follow_the_hash_seed_needs_pythonhashseed_for_its
     # isomorphic_strings iterates Python sets: the graders' child builds other items unless both share a hash seed
     code = "from test_reasoning_gym import rg_task; rg_task('isomorphic_strings'); print('built')"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flatrl, installed or not
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(__file__),
                            env={**env, **seed}) for seed in ({}, {"PYTHONHASHSEED": "0"})]
     assert outs[0].returncode == 1 and "set PYTHONHASHSEED=0" in outs[0].stderr.strip().splitlines()[-1]

@@ -140,7 +140,7 @@ def test_the_cluster_recipe_runs_two_trainer_nodes_and_a_worker(tmp_path):
     nodes = [spawn(cmd=["bash", launch, *flags, "--out", str(tmp_path / "t")], env={**env, "ROLE": "trainer", "NODE_RANK": str(i)})
              for i in range(2)]
     worker = spawn(cmd=["bash", launch, *flags, "--out", str(tmp_path / "w")], env={**env, "ROLE": "rollout"})
-    outs = [finish(p) for p in nodes]
+    outs = [finish(p, partners=[worker]) for p in nodes]
     assert "training finished" in finish(worker)
     assert len(rows(tmp_path / "t")) == 6 and "trainer listening on http://127.0.0.1" in outs[0]
 
@@ -153,7 +153,7 @@ def test_an_fsdp_async_trainer_and_a_worker(tiny_llm, tmp_path):
     trainer = torchrun(*common, "--fsdp", "--role", "trainer", "--port", str(port), "--steps", "3",
                        "--out", str(tmp_path / "t"))
     worker = spawn(*common, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "w"))
-    out = finish(trainer)
+    out = finish(trainer, partners=[worker])
     assert "training finished" in finish(worker)
     trained = rows(tmp_path / "t")
     assert len(trained) == 3 and all(float(r["logp_gap"]) < 1e-4 for r in trained)  # fp32 worker vs gathered weights

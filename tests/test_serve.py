@@ -46,12 +46,17 @@ def spawn(*args, env=None, cmd=None, cwd=ROOT):
     return proc
 
 
-def output(proc, timeout=180):
+def output(proc, timeout=180, partners=()):
     """Its output once it has exited. A process that writes nothing (no progress bar, no line) for `timeout` s is
     hung: stopped, and its output shown. The limit is on silence, not on the whole run, so a machine that another
-    job keeps busy only makes the run slower."""
+    job keeps busy only makes the run slower. A trainer is never silent (it says every 30 s that it waits for
+    rollouts): it is stopped as soon as one of its partners (its workers) fails."""
     written, last = -1, time.time()
     while proc.poll() is None:
+        if failed := [p for p in partners if p.poll() not in (None, 0)]:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"a partner exited {failed[0].returncode}; its output:\n{output(failed[0])[-3000:]}")
         if os.fstat(proc.log.fileno()).st_size != written:
             written, last = os.fstat(proc.log.fileno()).st_size, time.time()
         elif time.time() - last > timeout:  # stop it, and show what it was doing
@@ -81,8 +86,8 @@ def wait_for(cond, timeout=120):
     raise TimeoutError
 
 
-def finish(proc, timeout=180):
-    out = output(proc, timeout)
+def finish(proc, timeout=180, partners=()):
+    out = output(proc, timeout, partners)
     assert proc.returncode == 0, out[-3000:]
     return out
 
@@ -99,7 +104,7 @@ def trainer_and_worker(tmp_path, common, steps, worker_flags=(), timeout=180):
     trainer = spawn(*common, "--role", "trainer", "--port", str(port), "--steps", str(steps), "--out", str(tmp_path / "t"))
     worker = spawn(*common, *worker_flags, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
                    "--out", str(tmp_path / "w"))
-    finish(trainer, timeout)
+    finish(trainer, timeout, [worker])
     out = finish(worker, timeout)
     assert "training finished" in out  # the worker heard the end and exited 0
     return rows(tmp_path / "t"), out
@@ -118,7 +123,7 @@ def test_trainer_and_two_workers_end_to_end(tmp_path):
     workers = [spawn(*CARTPOLE16, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
                      "--out", str(tmp_path / f"w{i}")) for i in range(2)]
     trainer = spawn(*CARTPOLE16, "--role", "trainer", "--port", str(port), "--steps", "20", "--out", str(tmp_path / "t"))
-    finish(trainer)
+    finish(trainer, partners=workers)
     outs = [finish(w) for w in workers]
     assert all("training finished" in o for o in outs)  # workers notice the end and exit 0
     trained = rows(tmp_path / "t")
@@ -139,7 +144,7 @@ def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     # once in CI a worker retrying every 2 s never reached a 20-step trainer (unexplained; if again, both sides show)
     wait_for(lambda: len([f for f in os.listdir(tmp_path / "runs") if os.path.exists(tmp_path / "runs" / f / "config.yaml")]) == 8, 240)
     trainer = spawn(*CARTPOLE16, "--role", "trainer", "--port", str(port), "--steps", "40", "--out", str(tmp_path / "t"))
-    said = finish(trainer, timeout=300)  # limits on silence (output): a loaded machine makes each step slower
+    said = finish(trainer, 300, workers)  # limits on silence (output): a loaded machine makes each step slower
     try:
         outs = [finish(w, timeout=300) for w in workers]
     except AssertionError as e:  # a worker that missed the trainer: show both sides
@@ -187,7 +192,7 @@ def test_worker_killed_mid_run_costs_only_its_batch(tmp_path):
     wait_for(lambda: health(port)["version"] >= 2)
     doomed.send_signal(signal.SIGKILL)
     doomed.wait()
-    finish(trainer)
+    finish(trainer, partners=[survivor])
     assert "training finished" in finish(survivor)
     assert len(rows(tmp_path / "t")) == 10
 
@@ -528,9 +533,8 @@ def test_a_trainer_whose_task_runs_model_text_asks_a_token_on_loopback(tmp_path,
         steal = f"print(open({str(tmp_path / 'tokens' / str(port))!r}).read())"
         assert run_python(steal).startswith("error: exit code 1") and token not in run_python(steal)
     finally:
-        src.hub.done = True
-        src.server.shutdown()
-        src.server.server_close()
+        src.close()
+    assert not (tmp_path / "tokens" / str(port)).exists()  # the run's token ends with it
     task.runs_model_text = False  # a task that runs none: loopback stays open, as before
     src = AsyncSource(task, MLPPolicy(4, 2, 8), cfg, Logger(str(tmp_path), 0, 1), version=0)
     assert post(src.server.server_port, b"made-up batch")[0] == 400
