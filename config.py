@@ -154,7 +154,7 @@ class Config:
         for key, names in {**CHOICES, **dict(choices)}.items():
             value = getattr(self, key)
             if key == "task" and value.startswith("rg:"):  # reasoning-gym's dataset NAME: the task checks NAME
-                value = "rg"
+                value = "rg:NAME"
             if value not in names:  # (the did-you-mean search only then: it reads the source)
                 need(False, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
         for f in dataclasses.fields(self):  # NaN passes every comparison below, and inf trains on nonsense

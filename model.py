@@ -4,6 +4,7 @@
 and control policies add act(obs, greedy) -> actions [B] for batched environment stepping. LLM policies also
 sample (HF or vLLM generators) and turn chats into token ids. Read HFPolicy.score after algos.py; then serve.py.
 """
+import ast
 import contextlib
 import copy
 import inspect
@@ -442,9 +443,35 @@ def plain_call(text, tools):
     return (found[1], {first: found[2]}) if first else None
 
 
+def python_call(text, tools):
+    """A reply that writes a call as Python, `name(arg, key=value)`, name one of `tools` (OpenAI schemas) -> (name,
+    arguments: positional ones by the schema's order; a literal as it is, else its source text), else None: the form
+    small models write unprompted, often in a code block. -> also the call's text, to cut from the reply."""
+    params = {t["function"]["name"]: list(t["function"].get("parameters", {}).get("properties", {})) for t in tools}
+    for found in re.finditer(r"\b(\w+)\(", text):
+        end = text.find(")", found.end())
+        while found[1] in params and end != -1:  # the shortest `name(...)` that parses as one call
+            with contextlib.suppress(SyntaxError):
+                call = ast.parse(text[found.start():end + 1], mode="eval").body
+                if isinstance(call, ast.Call) and len(call.args) <= len(params[found[1]]):
+                    named = zip(params[found[1]], call.args)
+                    args = {**{k: literal(v) for k, v in named}, **{k.arg: literal(k.value) for k in call.keywords}}
+                    return found[1], args, text[found.start():end + 1]
+            end = text.find(")", end + 1)
+    return None
+
+
+def literal(node):  # a call's argument: its value where Python reads it as a literal, else its text ("347 * 28")
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ast.unparse(node)
+
+
 def parse_tool_calls(text, tools):
     """A reply -> (its text but the calls, or None; its calls [{"name", "arguments": a dict}]): <tool_call> JSON
-    (Hermes; a block that is not such JSON stays in the text), else a first line `name: argument` (plain_call)."""
+    (Hermes; a block that is not such JSON stays in the text), else a first line `name: argument` (plain_call), else
+    a Python-style `name(argument)` (python_call)."""
     calls = []
     for found in TOOL_CALL.finditer(text):
         with contextlib.suppress(ValueError, TypeError, KeyError):
@@ -454,6 +481,8 @@ def parse_tool_calls(text, tools):
                 text = text.replace(found.group(0), "", 1)
     if not calls and (plain := plain_call(text, tools)):
         calls, text = [{"name": plain[0], "arguments": plain[1]}], text.strip().partition("\n")[2]
+    elif not calls and (written := python_call(text, tools)):
+        calls, text = [{"name": written[0], "arguments": written[1]}], text.replace(written[2], "", 1)
     return text.strip() or None, calls
 
 

@@ -4,6 +4,7 @@ as safetensors, metadata as JSON. Invariant: a batch is trained on only under th
 sampled it (the trainer keeps the last max_staleness + 1 versions) or it is dropped, and counted.
 The last stop of the reading path: SyncSource is the whole story of a one-process run.
 """
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -146,6 +147,11 @@ class Hub:
         self.counts = {"accepted": 0, "rejected": 0, "dropped_stale": 0, "dropped_busy": 0}
         self.seen, self.told = {}, set()  # worker id -> last time heard from; workers that know training ended
         self.gap = {}  # worker id -> the longest time between two of its requests (how long close() waits for it)
+        self.trained, self.stale = collections.Counter(), collections.Counter()  # worker id -> its batches trained on,
+        # and dropped as older than max_staleness
+
+    def fate(self, worker):  # under cond: what became of a worker's batches, told with the end (its last line)
+        return [("X-Flatrl-Trained", str(self.trained[worker])), ("X-Flatrl-Stale", str(self.stale[worker]))]
 
     def heard(self, worker):  # under cond
         now = time.time()
@@ -206,13 +212,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         url, hub = urllib.parse.urlparse(self.path), self.server.hub
-        if url.path == "/healthz" and hub:
+        if url.path == "/healthz":
             return self.healthz()
         if not self.authorized():
             return self.fail(401, "missing or wrong bearer token")
-        if url.path == "/v1/models" and self.server.chat:
-            return self.reply(200, {"object": "list", "data": [{"id": self.server.cfg.model, "object": "model",
-                                                                "created": 0, "owned_by": "flatrl"}]})
+        if url.path == "/v1/models" and self.server.chat:  # the run (its weights), on its base model (root)
+            return self.reply(200, {"object": "list", "data": [{"id": served(self.server.cfg), "object": "model",
+                                                                "created": 0, "owned_by": "flatrl",
+                                                                "root": self.server.cfg.model}]})
         if not hub:
             return self.fail(404, f"no endpoint {url.path}")
         if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
@@ -226,7 +233,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return self.fail(404, f"no endpoint {url.path}")
 
     def healthz(self):
-        hub = self.server.hub
+        hub, cfg = self.server.hub, self.server.cfg
+        if hub is None:  # the chat endpoint alone (--serve, an agent task's)
+            return self.reply(200, {"serving": served(cfg), "max_tokens": cfg.max_new_tokens})
         with hub.cond:
             health = {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts}
         self.reply(200, health)
@@ -243,11 +252,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             hub.cond.wait_for(lambda: hub.version != have or hub.done, timeout=wait)
             last = hub.done or hub.version >= self.server.cfg.steps  # a worker stops at the final weights too
             if hub.done:
-                answer = 410, {"error": "training finished"}
+                answer = 410, {"error": "training finished"}, hub.fate(worker)
             elif hub.version == have:
                 answer = 304, b""
             else:
-                answer = 200, hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha)]
+                answer = 200, hub.blob, [("X-Flatrl-Version", str(hub.version)), ("X-Flatrl-Sha256", hub.sha),
+                                         *(hub.fate(worker) if last else [])]
         self.reply(*answer)
         if last:  # told only once it has the answer: the trainer stops serving as soon as every worker is told
             with hub.cond:
@@ -287,7 +297,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             hub.heard(worker)
             if hub.done:
                 hub.told.add(worker)
-                return self.reply(410, {"error": "training finished"})
+                return self.reply(410, {"error": "training finished"}, hub.fate(worker))
+            batch.worker = worker  # (take() counts its fate)
             if batch.version > hub.version:
                 return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
             if len(hub.queue) >= cfg.max_queue:
@@ -383,7 +394,9 @@ class AsyncSource:
                 batch = self.hub.queue.pop(0)
                 if batch.version not in self.snapshots:  # older than max_staleness, or from before a restart
                     self.hub.counts["dropped_stale"] += 1
+                    self.hub.stale[batch.worker] += 1
                     continue
+                self.hub.trained[batch.worker] += 1
             self.staleness.append(self.hub.version - batch.version)
             return batch
 
@@ -461,23 +474,30 @@ def trainers_own_token(url):
     return local_token(parts.port) if loopback(parts.hostname or "") and parts.port else None
 
 
-def run_worker(cfg, task, policy):
-    """Pull the newest weights, sample a batch, push it; until the trainer says it is done (the bar shows its steps)."""
+def hello(cfg):
+    """The trainer's /config, once its settings match this worker's -> {"fingerprint", "steps"}; else SystemExit."""
     status, _, body = call(cfg, "/config")
     if status != 200:
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
     remote = json.loads(body)
-    log = Logger(cfg.out, 0, remote["steps"])
     for k, theirs in remote["fingerprint"].items():
         if getattr(cfg, k) != theirs:
             raise SystemExit(f"config mismatch on {k!r}: trainer has {theirs!r}, this worker {getattr(cfg, k)!r}")
+    return remote
+
+
+def run_worker(cfg, task, policy, remote):
+    """Pull the newest weights, sample a batch, push it; until the trainer says it is done (the bar shows its steps).
+    `remote`: hello's answer."""
+    log = Logger(cfg.out, 0, remote["steps"])
     if task.llm:  # once at start-up: does this generator sample what the trainer scores?
         check_parity(policy, [task.build_prompt(q) for q, _ in task.eval_set[:4]], cfg, log.say)
-    version, n, publish_s = -1, 0, 0.0  # the weights sampled with, batches accepted
+    version, n, publish_s, fate = -1, 0, 0.0, None  # the weights sampled with, batches accepted, the trainer's count
     wait = 30  # seconds to long-poll /weights for a newer version
     while True:
         status, headers, body = call(cfg, f"/weights?have={version}&wait={wait}")
         if status == 410:
+            fate = headers
             break
         if status == 200:
             if hashlib.sha256(body).hexdigest() != headers["X-Flatrl-Sha256"]:
@@ -489,6 +509,7 @@ def run_worker(cfg, task, policy):
             policy.publish()  # into the sampler: an HF copy, or the vLLM engine (merge + reload + cache reset)
             version, publish_s = int(headers["X-Flatrl-Version"]), time.time() - t
             if version >= remote["steps"]:  # the final weights: the trainer is evaluating and closing
+                fate = headers
                 break
         elif status != 304:
             raise SystemExit(f"trainer refused /weights ({status}): {body[:200].decode(errors='replace')}")
@@ -497,8 +518,9 @@ def run_worker(cfg, task, policy):
         wait = 0
         batch = task.rollout(policy, step=int(WORKER, 16) * 1000 + n)  # prompts / env seeds of this worker
         batch.version = version
-        status, _, body = call(cfg, "/rollouts", pack_batch(batch, WORKER))
+        status, headers, body = call(cfg, "/rollouts", pack_batch(batch, WORKER))
         if status == 410:
+            fate = headers
             break
         if status == 200:
             n += 1
@@ -509,7 +531,19 @@ def run_worker(cfg, task, policy):
             log.say(f"worker {WORKER}: batch refused ({status}): {body[:300].decode(errors='replace')}")
     log.bar.update(log.bar.total - log.bar.n)
     log.bar.close()
-    log.say(f"worker {WORKER}: training finished after {n} batches")
+    log.say(last_words(n, fate, cfg))
+
+
+def last_words(n, fate, cfg):
+    """The worker's last line: its n accepted batches, and how many the trainer trained on (its X-Flatrl-Trained,
+    -Stale headers) and why not the rest."""
+    trained, stale = (int(fate.get(f"X-Flatrl-{k}", 0)) for k in ("Trained", "Stale"))
+    line = f"worker {WORKER}: training finished after {n} batches; the trainer trained on {trained}"
+    if stale:
+        line += f"; {stale} dropped, sampled by weights more than --max-staleness {cfg.max_staleness} versions old"
+    if queued := n - trained - stale:
+        line += f"; {queued} still queued when the trainer had trained its last step"
+    return line
 
 
 # --- the OpenAI-compatible endpoint: agents written against the chat API ---------------------------------
@@ -749,6 +783,11 @@ class Chat:
                     out = list(itertools.islice(replies, c["n"]))
                     c["out"] = out[0][0] if isinstance(out[0][0], Exception) else [
                         (x[:c["cap"]], lp[:c["cap"]]) for x, lp in out]
+
+
+def served(cfg):
+    """The name /v1/models gives what is served: the run's folder (its weights), else the base model."""
+    return os.path.basename(os.path.normpath(cfg.out)) if cfg.out else cfg.model
 
 
 def serve_chat(policy, cfg, bind="127.0.0.1", port=0, token=None):

@@ -33,7 +33,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from model import TOOL_CALL, plain_call, tool_schema
+from model import TOOL_CALL, plain_call, python_call, tool_schema
 from utils import Batch, all_reduce_sum, non_dumpable, rank, reply_ends, world
 
 
@@ -221,12 +221,16 @@ class LLMTask:
     tools = None  # functions the chat template describes to the model (ToolTask)
     runs_model_text = False  # True where rewards or tools run what the model wrote (run_python; a grader's eval()):
     # the run's processes are then non-dumpable from their start and a loopback trainer asks a token (README "Tokens")
+    cut_by = "--max-new-tokens"  # what cuts a reply short (a step where most are cut says so: train.step_notes)
 
     def __init__(self, cfg):
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
         self.eval_set = self.held_out()
         self.held_keys = {q for q, _ in self.eval_set}
         check_training_room(self)
+
+    def grading_rule(self):  # a line for the run's start on how its rewards grade (exact, or partial credit)
+        return None
 
     def held_out(self):
         found = distinct_problems(self.problem, 10**9, self.cfg.n_eval)
@@ -575,7 +579,8 @@ class ToolTask(LLMTask):
         """The call a reply makes, as JSON text, or None when the reply is an answer."""
         if found := TOOL_CALL.search(reply):
             return found.group(1)
-        plain = plain_call(reply, [tool_schema(f) for f in self.tools])
+        schemas = [tool_schema(f) for f in self.tools]
+        plain = plain_call(reply, schemas) or python_call(reply, schemas)
         return json.dumps({"name": plain[0], "arguments": plain[1]}) if plain else None
 
     def env_response(self, question, answer, turns):
@@ -676,6 +681,7 @@ class AgentTask(LLMTask):
     a number gets reward 0, counted in agent_errors_<cause>."""
     server = None  # this process's endpoint, started by the first play
     runs_model_text = True  # an agent's tools may
+    cut_by = "--max-new-tokens, or the max_tokens its agent's calls ask"
 
     def __init__(self, cfg):
         if importlib.util.find_spec("openai") is None:  # the agents' client
@@ -828,8 +834,21 @@ class ReasoningGym(LLMTask):
         self.data, config = rg_dataset(cfg.task.partition(":")[2], cfg.rg_config)
         self.graders = Graders(cfg.task.partition(":")[2], config)
         super().__init__(cfg)
+        self.partial = set()  # scores between 0 and 1 that near misses of the answers got (grading_rule)
         for _, entry in self.eval_set[:8]:  # now, not at the first reward: does the child build the same items?
-            self.score("", entry)
+            for reply in ["", *near_misses(entry["answer"])]:
+                if 0 < (score := self.score(f"<answer>{reply}</answer>", entry)) < 1:
+                    self.partial.add(score)
+
+    def grading_rule(self):
+        if not self.partial:
+            return (f"grading: {self.cfg.task} scores 0 or 1 (near misses of 8 held-out answers, cut short or with "
+                    "a character changed, scored 0)")
+        low, high = min(self.partial), max(self.partial)
+        scored = f"{low:.3g}" if low == high else f"{low:.3g} to {high:.3g}"
+        return (f"grading: {self.cfg.task} gives partial credit (near misses of 8 held-out answers scored {scored}): "
+                "reward can rise while accuracy stays 0, and "
+                "GRPO's std division makes a 0.01 difference a full-size advantage (--no-norm-std keeps it small)")
 
     def problem(self, rng):
         i = rng.randrange(len(self.data))
@@ -855,6 +874,24 @@ class ReasoningGym(LLMTask):
         return None if self.score(turns[-1], answer) == 1 else self.retry
 
 
+def near_misses(answer):
+    """Wrong replies close to an answer: a grader that gives partial credit scores some of them between 0 and 1."""
+    answer = str(answer)
+    return [answer[:-1], answer[:-1] + ("1" if answer[-1:] != "1" else "2"), "0"]
+
+
+def json_fits(value, default):
+    """Does a JSON value fit a config field whose default is `default`? An int fits a float; a field whose default is
+    not a number, a string or a bool (None, a list) is left to the dataset's own checks."""
+    if not isinstance(default, (int, float, str)):
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return type(value) is type(default)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
 def rg_dataset(name, config_json):
     """reasoning-gym's dataset `name` built with the JSON config, or a one-line config error. Its seed is fixed (0)
     and its size 10,000 unless the JSON says otherwise: the same problems for every run, the held-out ones too.
@@ -875,15 +912,20 @@ def rg_dataset(name, config_json):
     if not isinstance(config, dict):
         raise SystemExit(f"config error: --rg-config must be a JSON object such as '{{\"min_terms\": 2}}', not "
                          f"{config_json}")
-    fields = [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[name][1])]
-    if unknown := [key for key in config if key not in fields]:
-        raise SystemExit(f"config error: --rg-config: rg:{name} has no field {unknown[0]!r}; its fields: "
-                         f"{', '.join(fields)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(reasoning_gym.factory.DATASETS[name][1])}
+    shown = ", ".join(f"{k} (default {v!r})" for k, v in defaults.items() if v is not dataclasses.MISSING)
+    if unknown := [key for key in config if key not in defaults]:
+        raise SystemExit(f"config error: --rg-config: rg:{name} has no field {unknown[0]!r}; its fields: {shown}")
+    for key, value in config.items():  # its own checks would fail on a wrong type with Python's words
+        if not json_fits(value, defaults[key]):
+            kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(defaults[key]), "a string")
+            raise SystemExit(f"config error: --rg-config: rg:{name}'s {key} takes {kind} (default "
+                             f"{json.dumps(defaults[key])}), not {json.dumps(value)}")
     try:
         config = {"seed": 0, "size": 10_000, **config}
         return reasoning_gym.create_dataset(name, **config), config
-    except (TypeError, ValueError, AssertionError) as e:  # a value of the wrong type, or one its validate refuses
-        raise SystemExit(f"config error: --rg-config {config_json}: rg:{name} refuses it: {e}")
+    except (TypeError, ValueError, AssertionError) as e:  # a value its validate refuses
+        raise SystemExit(f"config error: --rg-config {config_json}: rg:{name} refuses it ({e}); its fields: {shown}")
 
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' loader per suffix
@@ -952,9 +994,9 @@ class DataTask(LLMTask):
 
 def task_class(name):
     """--task's class: rg:NAME is the rg task (reasoning-gym's dataset NAME)."""
-    return TASKS["rg" if name.startswith("rg:") else name]
+    return TASKS["rg:NAME" if name.startswith("rg:") else name]
 
 
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc,
-         "calc_agent": CalcAgent, "data": DataTask, "rg": ReasoningGym,
+         "calc_agent": CalcAgent, "data": DataTask, "rg:NAME": ReasoningGym,
          "jsonl": DataTask}  # jsonl: data's other name, which older configs use

@@ -22,7 +22,7 @@ from safetensors import safe_open
 import config as config_lib
 from algos import ADVANTAGES, loss_weights, needs_groups, pg_loss, run_stats, value_loss
 from model import HFPolicy, MLPPolicy, check_parity, save_adapter
-from serve import WORKER, AsyncSource, SyncSource, run_worker, serve_chat
+from serve import WORKER, AsyncSource, SyncSource, hello, run_worker, serve_chat, served
 from tasks import TASKS, task_class
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
                    fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, non_dumpable, peak_flops, rank,
@@ -34,6 +34,9 @@ def build(cfg):
     if cfg.group_size < 2 and needs_groups(ADVANTAGES[cfg.algo], cfg):
         raise SystemExit(f"config error: {cfg.algo} compares samples of the same prompt, and a group of one has "
                          f"nothing to compare: set --group-size 2 or more")
+    if cfg.rg_config and not cfg.task.startswith("rg:"):
+        raise SystemExit(f"config error: --rg-config configures a reasoning-gym task, and {cfg.task} is not one: drop "
+                         "it, or use --task rg:NAME")
     task = task_class(cfg.task)(cfg)
     if not task.llm and (cfg.kl_coef or cfg.fsdp or cfg.credit == "turn"):
         raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for "
@@ -213,6 +216,31 @@ def batch_metrics(batch, cfg, say):
     return {**out, **sampler_gap(batch, cfg, say), **batch.stats}
 
 
+# an LLM run's progress bar: the reward, and why a step may teach nothing (cut replies, tied groups: step_notes)
+BAR = ("reward", "truncated", "zero_var_groups")
+
+
+def step_notes(metrics, step, cfg, task, say_once):
+    """Why a step taught nothing, or that most replies were cut: each kind said once a run, in one line (else only a
+    blank loss in metrics.csv and flat curves would show it)."""
+    cut, tied = metrics["truncated"], metrics.get("zero_var_groups") == 1
+    if tied or "loss" not in metrics and not metrics["nonfinite"]:
+        what = ("every group's replies got the same reward (zero_var_groups 1), and GRPO and RLOO learn from the "
+                "differences between one prompt's replies" if tied else "no row had an advantage to learn from")
+        if task.llm and cut > 0.5:
+            cause = "most replies were cut (the next line)"
+        elif metrics.get("accuracy") == 1:
+            cause = "every reply is right already: a harder setting teaches more"
+        else:
+            cause = ("the task is out of the model's reach as it samples now: an easier setting, a worked example in "
+                     "the prompt, or a bigger --group-size")
+        say_once("idle", f"step {step}: nothing learned: {what} (reward {metrics['reward']:.3g}); likely: {cause}")
+    if task.llm and cut > 0.5:
+        say_once("cut", f"step {step}: {cut:.0%} of replies were cut before they ended, at {task.cut_by} "
+                        f"({cfg.max_new_tokens} tokens): a cut reply seldom holds an answer or a whole tool call; "
+                        "raise the limit")
+
+
 def sampler_gap(batch, cfg, say):
     """A batch with the sampler's logprobs (a worker's): their mean |gap| to the trainer's over the tokens scored (none
     when every group tied), and the TIS weights. A gap above gap_tol is said: a worker whose weights did not load
@@ -320,6 +348,8 @@ def opening_lines(cfg, task, policy):
     out = []
     if task.llm:
         out.append("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
+        if rule := task.grading_rule():
+            out.append(rule)
     if not task.llm and cfg.algo != "ppo" and cfg.gamma >= 1:
         out.append("note: at --gamma 1 an episode cut by the time limit is not bootstrapped (its tail r_mean / "
                    "(1 - gamma) is infinite): it counts only the rewards it saw")
@@ -365,19 +395,21 @@ def main(argv=None):
         return None
     if cfg.serve:
         return serve_forever(cfg, policy)
+    remote = hello(cfg) if cfg.role == "rollout" else None  # a worker whose trainer never answers makes nothing
     run_folder(cfg)  # only now: a refused command (above) leaves no new folder, and a resumed one as it was
     if rank() == 0:
         config_lib.save(cfg, os.path.join(cfg.out, "config.yaml"))
     if cfg.role == "rollout":
-        return run_worker(cfg, task, policy)
+        return run_worker(cfg, task, policy, remote)
     return run(cfg, task, policy, opt, start, began - seconds_before)
 
 
 def serve_forever(cfg, policy):
     """--serve: the trained run on OpenAI's chat API (/v1/chat/completions, /v1/models) until Ctrl-C."""
     server = serve_chat(policy, cfg, cfg.bind, cfg.port)
-    print(f"serving {cfg.out} at http://{cfg.bind}:{server.server_port}/v1 (OpenAI chat completions; Ctrl-C stops)",
-          flush=True)
+    print(f"serving {cfg.out} at http://{cfg.bind}:{server.server_port}/v1 as model {served(cfg)!r} (OpenAI chat "
+          f"completions; Ctrl-C stops). Replies stop at {cfg.max_new_tokens} tokens, the run's --max-new-tokens, "
+          "whatever a request's max_tokens: add --max-new-tokens N to serve longer ones", flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
@@ -405,7 +437,7 @@ def run(cfg, task, policy, opt, start, began):
     def save(step):
         return checkpoint(cfg, task.llm, policy, opt, {"step": step, "time_s": clock()})
 
-    log = Logger(cfg.out, start, cfg.steps, cfg)
+    log = Logger(cfg.out, start, cfg.steps, cfg, BAR if task.llm else BAR[:1])
     for line in opening_lines(cfg, task, policy):
         log.say(line)
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
@@ -440,8 +472,9 @@ def run(cfg, task, policy, opt, start, began):
                 timer("publish_s")
                 done, mark = step + 1, rng_mark()
                 speeds = speed(policy, batch, cfg, timer.split, peaks, "loss" in stats)
-                log.log({**row, "time_s": clock(), **batch_metrics(batch, cfg, log.say), **stats, **timer.split,
-                         **speeds, **source.stats()}, done)
+                metrics = {**batch_metrics(batch, cfg, log.say), **stats}
+                log.log({**row, "time_s": clock(), **metrics, **timer.split, **speeds, **source.stats()}, done)
+                step_notes(metrics, step, cfg, task, log.say_once)
                 if cfg.save_every and done % cfg.save_every == 0:
                     saved = save(done)
     except KeyboardInterrupt:  # in an evaluation, a rollout or scoring: the step is dropped, its draws undone

@@ -526,8 +526,8 @@ class Logger:
     """One call per step: a progress line, a metrics.csv row, the --log-to trackers; curves.png at the end. Rank 0
     writes; the other ranks' calls do nothing."""
 
-    def __init__(self, run_dir, start, steps, cfg=None):
-        self.on = rank() == 0
+    def __init__(self, run_dir, start, steps, cfg=None, show=("reward",)):
+        self.on, self.show, self.said = rank() == 0, show, set()  # show: the metrics on the bar; said: say_once's
         self.path, self.rows, self.fields, self.last_eval = os.path.join(run_dir, "metrics.csv"), [], None, {}
         self.bar = tqdm(total=steps, initial=start, dynamic_ncols=True, disable=not self.on)
         self.trackers = []
@@ -555,8 +555,13 @@ class Logger:
         if self.on:
             tqdm.write(msg)
 
-    def log(self, row, done, show=("reward",)):
-        """Append a metrics row; the progress bar shows `done` of the run's steps."""
+    def say_once(self, kind, msg):
+        if kind not in self.said:
+            self.said.add(kind)
+            self.say(msg)
+
+    def log(self, row, done):
+        """Append a metrics row; the progress bar shows `done` of the run's steps and the row's `show` metrics."""
         if not self.on:
             return
         self.rows.append(row)
@@ -566,7 +571,7 @@ class Logger:
         for log, _ in self.trackers:
             log(row)
         self.last_eval = {k: v for k, v in row.items() if k.startswith("eval_")} or self.last_eval
-        post = {k: f"{row[k]:.3g}" for k in show if k in row}
+        post = {k: f"{row[k]:.3g}" for k in self.show if k in row}
         post.update({k: f"{v:.3g}" for k, v in self.last_eval.items()})  # eval_acc: held-out, not training
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(done - self.bar.n)

@@ -1,9 +1,10 @@
 """Which of reasoning-gym's graders evaluate the reply as code, found by trying, not from a list: each dataset's
 score_answer gets replies that, if evaluated by Python (eval, exec, sympy's parser), set a flag; a dataset whose
 grader set it evaluates model text. flatrl grades every dataset in a child (tasks.Graders) all the same; this says
-which datasets need it. Also times one reply's grading in-process and in the child.
+which datasets need it. Also which graders give partial credit (a score between 0 and 1 for a near miss of the
+answer: tasks.near_misses), and the cost of one reply's grading in-process and in the child.
 
-    python benchmarks/rg_graders.py            # every dataset: which evaluate text
+    python benchmarks/rg_graders.py            # every dataset: which evaluate text, which give partial credit
     python benchmarks/rg_graders.py --cost     # seconds per reply: in-process vs tasks.Graders, on rg:syllogism
     HF_HUB_OFFLINE=1 python benchmarks/rg_graders.py --steps 10 --rounds 2 --against REV  # the rg preset's step,
                                                # this checkout and revision REV (graded in-process) alternating
@@ -44,21 +45,44 @@ def evaluates_text(data, entry):
     return None
 
 
+def partial_credit(data, n):
+    """-> the scores between 0 and 1 the grader gave near misses of items 0..n-1's answers (tasks.near_misses, as a
+    run's opening line checks), sorted."""
+    from tasks import near_misses
+    seen = set()
+    for entry in (data[i] for i in range(n)):
+        for reply in ["", *near_misses(entry["answer"])]:
+            signal.alarm(10)
+            try:
+                score = data.score_answer(reply, entry)
+            except BaseException:
+                score = 0.0
+            finally:
+                signal.alarm(0)
+            if 0 < score < 1:
+                seen.add(round(score, 3))
+    return sorted(seen)
+
+
 def which():
     import reasoning_gym
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError()))
-    evaluated, clean, skipped = [], [], []
+    evaluated, clean, skipped, partial = [], [], [], []
     for name in sorted(reasoning_gym.factory.DATASETS):
         try:
-            data = reasoning_gym.create_dataset(name, seed=0, size=4)
+            data = reasoning_gym.create_dataset(name, seed=0, size=8)
             entry = data[0]
         except Exception as e:  # composite datasets need a config of their own
             skipped.append(f"{name} ({type(e).__name__})")
             continue
-        form = evaluates_text(data, entry)
+        form, scores = evaluates_text(data, entry), partial_credit(data, 8)
         (evaluated if form else clean).append(name)
-        print(f"{name:32s} {'EVALUATES TEXT: ' + form if form else 'no'}", flush=True)
+        if scores:
+            partial.append(name)
+        print(f"{name:32s} {'EVALUATES TEXT: ' + form if form else 'no':40s} partial credit: "
+              f"{' '.join(map(str, scores)) or 'none seen'}", flush=True)
     print(f"\n{len(evaluated)} of {len(evaluated) + len(clean)} datasets evaluate the reply: {', '.join(evaluated)}")
+    print(f"{len(partial)} give near misses partial credit: {', '.join(partial)}")
     print(f"not built without a config of their own: {', '.join(skipped) or 'none'}")
 
 

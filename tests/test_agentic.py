@@ -175,6 +175,12 @@ class Tools(Calc):
     ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "error: bad arguments for calculator:"),
     ('<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>', "error: boom raised RuntimeError: kaput"),
     ("calculator: 2 ** 8", "error: calculator raised ValueError: use numbers, + - * / and parentheses"),
+    ("```\ncalculator(347 * 28)\n```", "calculator result: 9716"),  # Python, as small models write unprompted:
+    ('Use calculator("347 * 28").', "calculator result: 9716"),  # an argument as its text, or as the literal
+    ("calculator(expression='(1 + 2) * 3')", "calculator result: 9"),
+    ("print(boom(x=1))", "error: boom raised RuntimeError: kaput"),
+    ("calculator(1, 2)", None),  # more arguments than it takes: no call
+    ("f(347 * 28) is 9716 (as I said)", None),  # no tool of the task's: no call
     ("The answer is 9716.", None),  # no call: the episode ends
 ])
 def test_tool_calls_and_their_errors(reply, expect):

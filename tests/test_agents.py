@@ -104,6 +104,8 @@ def test_tool_calls_are_parsed_into_the_openai_shape(endpoint, monkeypatch):
     call = {"name": "calculator", "arguments": {"expression": "1 + 2"}}
     assert parse_tool_calls(text, tools) == ("Let me see.", [call])
     assert parse_tool_calls("<tool_call>{not json</tool_call>", tools) == ("<tool_call>{not json</tool_call>", [])
+    assert parse_tool_calls("So calculator(12 * 3) it is.", tools) == ("So  it is.", [  # Python-style, cut out
+        {"name": "calculator", "arguments": {"expression": "12 * 3"}}])
 
 
 def test_bad_requests_get_a_400_in_openais_error_shape(endpoint, monkeypatch):
@@ -299,13 +301,21 @@ def test_serve_answers_openai_clients_until_ctrl_c(tiny_llm, tmp_path):
     run = str(tmp_path / "run")
     train.main(["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--batch-size", "4", "--group-size", "2",
                 "--n-eval", "2", "--steps", "1", "--max-new-tokens", "4", "--lora-r", "4", "--out", run])
-    proc = subprocess.Popen([sys.executable, "train.py", "--resume", run, "--serve", "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "train.py", "--resume", run, "--serve", "--port", "0",
+                             "--max-new-tokens", "6"], cwd=ROOT,  # the run's 4, raised as the line says
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "FLATRL_TOKEN": ""})
     try:
         line = next(line for line in proc.stdout if line.startswith("serving"))
         url = line.split(" at ")[1].split()[0]
-        r = strict_client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": "1 + 1?"}])
-        assert r.choices[0].message.role == "assistant"
+        assert "as model 'run'" in line and "Replies stop at 6 tokens" in line and "--max-new-tokens N" in line
+        client = strict_client(url)
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1 + 1?"}], max_tokens=200,
+                                           temperature=0)
+        assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 6
+        [model] = client.models.list().data
+        assert model.id == "run" and model.model_dump()["root"] == tiny_llm  # the run, on its base model
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/healthz", timeout=10) as h:
+            assert json.loads(h.read()) == {"serving": "run", "max_tokens": 6}
     finally:
         proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130

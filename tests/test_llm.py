@@ -620,3 +620,28 @@ def test_reference_policy_for_kl(tiny_llm, lora_r):
     train.score_old(policy, batch, cfg)
     assert torch.equal(batch.ref_logp, ref)
 
+
+
+def test_a_run_that_learns_nothing_says_why_once(tiny_llm, tmp_path, capsys):
+    # A random tiny model on arith: 2-token replies, all cut and all wrong, so every group ties: no step trains.
+    train.main(["--task", "arith", "--model", tiny_llm, "--algo", "grpo", "--group-size", "2", "--batch-size", "4",
+                "--steps", "3", "--max-new-tokens", "2", "--n-eval", "2", "--lora-r", "4", "--eval-every", "0",
+                "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    with open(tmp_path / "metrics.csv") as f:
+        trained = [r for r in csv.DictReader(f) if r["reward"]]
+    assert all(not r.get("loss") and float(r["zero_var_groups"]) == 1 and float(r["truncated"]) > 0.5 for r in trained)
+    said = [line for line in out.splitlines() if line.startswith("step ")]
+    assert said == ["step 0: nothing learned: every group's replies got the same reward (zero_var_groups 1), and GRPO "
+                    "and RLOO learn from the differences between one prompt's replies (reward 0); likely: most replies "
+                    "were cut (the next line)",
+                    "step 0: 100% of replies were cut before they ended, at --max-new-tokens (2 tokens): a cut reply "
+                    "seldom holds an answer or a whole tool call; raise the limit"]  # once each, not every step
+    assert "truncated=1" in err and "zero_var_groups=1" in err  # on the progress bar
+
+
+def test_a_run_that_learns_says_nothing_of_the_kind(tmp_path, capsys):
+    train.main(["--task", "cartpole", "--algo", "reinforce", "--steps", "3", "--batch-size", "4", "--eval-every", "0",
+                "--no-stop-when-solved", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert "nothing learned" not in out and "were cut" not in out and "truncated=" not in err

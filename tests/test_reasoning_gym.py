@@ -19,7 +19,7 @@ SMALL = json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits
 
 def rg_task(name, rg_config="", **kw):
     cfg = Config(**{"task": f"rg:{name}", "rg_config": rg_config, "n_eval": 8, "batch_size": 8, "group_size": 2,
-                    **kw}).validate({"task": ["rg"]})
+                    **kw}).validate({"task": ["rg:NAME"]})
     return task_class(cfg.task)(cfg)
 
 
@@ -86,12 +86,31 @@ def test_an_unknown_dataset_is_one_line_naming_close_ones(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(SystemExit, match="rg:chain_sum has no field 'min_term'; its fields: min_terms"):
         rg_task("chain_sum", '{"min_term": 2}')
-    with pytest.raises(SystemExit, match="rg:chain_sum refuses it: min_terms must be positive"):
+    with pytest.raises(SystemExit, match=r"rg:chain_sum refuses it \(min_terms must be positive\); its fields: "
+                                         r"min_terms \(default 2\)"):
         rg_task("chain_sum", '{"min_terms": 0}')
     with pytest.raises(SystemExit, match="--rg-config is not JSON"):
         rg_task("chain_sum", "{min_terms: 2}")
-    with pytest.raises(SystemExit, match="task 'arith:x' is unknown"):
-        Config(task="arith:x").validate({"task": ["arith", "rg"]})
+    with pytest.raises(SystemExit, match=r"task 'arith:x' is unknown \(did you mean 'arith'\?\); pick one of arith, rg:NAME$"):
+        Config(task="arith:x").validate({"task": ["arith", "rg:NAME"]})
+
+
+@pytest.mark.parametrize("config, said", [
+    ('{"max_terms": "three"}', 'rg:basic_arithmetic\'s max_terms takes an integer \\(default 6\\), not "three"'),
+    ('{"max_terms": true}', 'max_terms takes an integer \\(default 6\\), not true'),
+    ('{"allow_negation": 1}', 'allow_negation takes true or false \\(default true\\), not 1'),
+    ('{"format_style": 3}', 'format_style takes a string \\(default "simple"\\), not 3')])
+def test_an_rg_config_value_of_the_wrong_type_is_one_line_naming_the_type(config, said):
+    with pytest.raises(SystemExit, match=said) as e:
+        rg_task("basic_arithmetic", config)
+    assert "\n" not in str(e.value) and "supported" not in str(e.value)  # not Python's own words
+
+
+def test_rg_config_on_another_task_is_refused_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="--rg-config configures a reasoning-gym task, and arith is not one: drop it"):
+        train.main(["--task", "arith", "--rg-config", '{"min_terms": 2}', "--model", "no/such-model", "--out",
+                    str(tmp_path / "run")])  # refused before the model (which does not exist) is loaded
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch):
@@ -140,7 +159,7 @@ def test_rollout_rewards_are_the_graders_scores_and_a_wrong_reply_is_asked_again
 
 
 @pytest.mark.parametrize("algo", ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"])
-def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, algo):
+def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, capsys, algo):
     monkeypatch.setattr(HFPolicy, "sample", answering(known_answers(SMALL)))
     train.main(["--task", "rg:basic_arithmetic", "--rg-config", SMALL, "--model", tiny_llm, "--algo", algo,
                 "--steps", "2", "--batch-size", "8", "--group-size", "2", "--max-new-tokens", "8", "--n-eval", "4",
@@ -151,6 +170,14 @@ def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, a
     assert [float(r["reward"]) for r in rows[:2]] == [0.5, 0.5] and float(rows[1]["accuracy"]) == 0.5
     assert float(rows[0]["eval_acc"]) == 0.5  # greedy, one row a prompt: held-out prompts 0 and 2 answered right
     assert float(rows[1]["grad_norm"]) > 0 and rows[2]["reward"] == ""  # the last row: the final evaluation
+    assert "grading: rg:basic_arithmetic scores 0 or 1 (near misses" in capsys.readouterr().out  # its opening line
+
+
+def test_the_opening_line_says_which_graders_give_partial_credit():
+    # countdown: 0.01 for a reply that is no expression, 0.05 for a wrong one (near_misses: "", cut, changed, "0")
+    assert rg_task("countdown").grading_rule().startswith("grading: rg:countdown gives partial credit (near misses of "
+                                                          "8 held-out answers scored 0.01 to 0.05)")
+    assert rg_task("basic_arithmetic").partial == set()
 
 
 def test_a_trainer_and_a_rollout_worker_train_an_rg_task(tiny_llm, tmp_path):

@@ -107,6 +107,9 @@ def trainer_and_worker(tmp_path, common, steps, worker_flags=(), timeout=180):
     finish(trainer, timeout, [worker])
     out = finish(worker, timeout)
     assert "training finished" in out  # the worker heard the end and exited 0
+    m = re.search(r"finished after (\d+) batches; the trainer trained on (\d+)(.*)", out)
+    assert int(m[2]) == steps  # one worker: each step trained one of its batches, and the trainer told it so
+    assert (int(m[1]) > steps) == ("still queued" in m[3] or "dropped" in m[3])  # and why not the rest
     return rows(tmp_path / "t"), out
 
 
@@ -139,10 +142,12 @@ def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     port = free_port()
     workers = [spawn(*CARTPOLE16, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--threads", "1",
                      "--connect-timeout", "600", cwd=tmp_path) for _ in range(8)]  # one command, default folders, one folder
-    # the trainer starts once every worker is up (its config written), so each is retrying (CARTPOLE16): for as long
-    # as 8 start-ups on 2 cores and the trainer's own take, which came within a 300 s --connect-timeout once. 40 steps:
-    # once in CI a worker retrying every 2 s never reached a 20-step trainer (unexplained; if again, both sides show)
-    wait_for(lambda: len([f for f in os.listdir(tmp_path / "runs") if os.path.exists(tmp_path / "runs" / f / "config.yaml")]) == 8, 240)
+    # the trainer starts once every worker is up (it said the trainer is unreachable), so each is retrying
+    # (CARTPOLE16): for as long as 8 start-ups on 2 cores and the trainer's own take, which came within a 300 s
+    # --connect-timeout once. 40 steps: once in CI a worker retrying every 2 s never reached a 20-step trainer
+    # (unexplained; if again, both sides show). pread: the workers write at the file's shared offset
+    wait_for(lambda: all(b"unreachable" in os.pread(w.log.fileno(), 1 << 20, 0) for w in workers), 240)
+    assert not os.path.exists(tmp_path / "runs")  # a worker makes its folder once its trainer answers
     trainer = spawn(*CARTPOLE16, "--role", "trainer", "--port", str(port), "--steps", "40", "--out", str(tmp_path / "t"))
     said = finish(trainer, 300, workers)  # limits on silence (output): a loaded machine makes each step slower
     try:
@@ -150,7 +155,9 @@ def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
     except AssertionError as e:  # a worker that missed the trainer: show both sides
         raise AssertionError(f"{e}\nthe trainer's output:\n{said[-3000:]}") from None
     assert all("training finished" in o for o in outs)  # none crashed, each exited by itself
-    pushed = {m[1]: int(m[2]) for o in outs for m in [re.search(r"worker (\w+): training finished after (\d+) batches", o)]}
+    said = [re.search(r"worker (\w+): training finished after (\d+) batches; the trainer trained on (\d+)", o) for o in outs]
+    pushed = {m[1]: int(m[2]) for m in said}
+    assert sum(int(m[3]) for m in said) == 40  # each of the 40 steps trained one worker's batch: each knows its own
     folders = os.listdir(tmp_path / "runs")
     assert len(folders) == 8 and sorted(f.rsplit("-worker-", 1)[1] for f in folders) == sorted(pushed)  # ...-worker-ID
     for f in folders:  # a worker logs a row per batch it sent, with the answer (a full queue answers 503)
@@ -159,6 +166,13 @@ def test_eight_workers_started_at_once_in_one_folder_keep_apart(tmp_path):
         assert "config.yaml" in files and sum(r["status"] == "200" for r in sent) == pushed[f.rsplit("-worker-", 1)[1]]
         assert not [x for x in files if x.endswith(".tmp")]
     assert len(rows(tmp_path / "t")) == 40
+
+
+def test_a_worker_that_never_reaches_its_trainer_leaves_no_folder(tmp_path):
+    worker = spawn(*CARTPOLE, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{free_port()}",
+                   "--connect-timeout", "1", cwd=tmp_path)
+    assert "unreachable for 1.0 s" in output(worker).splitlines()[-1] and worker.returncode == 1
+    assert os.listdir(tmp_path) == []  # no runs/...-worker-ID left behind
 
 
 def test_two_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
@@ -500,7 +514,7 @@ def test_a_worker_refuses_weights_whose_names_drifted(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "call", lambda cfg, path, body=None: answers[path.split("?")[0]])
     with pytest.raises(SystemExit, match=r"2 missing \(first: actor\.0\.bias\), 2 unexpected \(first: "
                                          r"actor\.first\.bias\)"):  # (sorted)
-        serve.run_worker(cfg, task, policy)
+        serve.run_worker(cfg, task, policy, serve.hello(cfg))
 
 
 def test_the_end_waits_for_a_worker_as_long_as_its_longest_gap_between_requests(monkeypatch):
