@@ -443,29 +443,42 @@ def plain_call(text, tools):
     return (found[1], {first: found[2]}) if first else None
 
 
+PY_CALL = re.compile(r"^[ \t`]*(\w+)\((.{0,400})\)[ \t;`]*$", re.M)  # a line that is one call (in backticks or not)
+
+
 def python_call(text, tools):
-    """A reply that writes a call as Python, `name(arg, key=value)`, name one of `tools` (OpenAI schemas) -> (name,
-    arguments: positional ones by the schema's order; a literal as it is, else its source text), else None: the form
-    small models write unprompted, often in a code block. -> also the call's text, to cut from the reply."""
-    params = {t["function"]["name"]: list(t["function"].get("parameters", {}).get("properties", {})) for t in tools}
-    for found in re.finditer(r"\b(\w+)\(", text):
-        end = text.find(")", found.end())
-        while found[1] in params and end != -1:  # the shortest `name(...)` that parses as one call
-            with contextlib.suppress(SyntaxError):
-                call = ast.parse(text[found.start():end + 1], mode="eval").body
-                if isinstance(call, ast.Call) and len(call.args) <= len(params[found[1]]):
-                    named = zip(params[found[1]], call.args)
-                    args = {**{k: literal(v) for k, v in named}, **{k.arg: literal(k.value) for k in call.keywords}}
-                    return found[1], args, text[found.start():end + 1]
-            end = text.find(")", end + 1)
+    """The first line of a reply that is one Python-style call, `name(arg, key=value)`, name one of `tools` (OpenAI
+    schemas) -> (name, arguments, the line), else None: the form small models write unprompted, often in a code
+    block. Positional arguments take the schema's order. A string parameter takes a string literal, else the
+    argument's source text (`calculator(347 * 28)`); another takes a number or bool literal, else the text, which
+    the tool refuses as it would any bad argument. Nothing is evaluated: the line is only parsed."""
+    schemas = {t["function"]["name"]: t["function"] for t in tools}
+    for found in PY_CALL.finditer(text):
+        if found[1] not in schemas:
+            continue
+        props = schemas[found[1]].get("parameters", {}).get("properties", {})
+        try:  # deep nesting overflows the parser's stack: no call
+            call = ast.parse(found[0].strip(" \t;`"), mode="eval").body
+            if not isinstance(call, ast.Call) or len(call.args) > len(props):
+                continue
+            named = [*zip(props, call.args), *((k.arg, k.value) for k in call.keywords)]
+            return found[1], {k: argument(v, props.get(k, {}).get("type")) for k, v in named}, found[0]
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
     return None
 
 
-def literal(node):  # a call's argument: its value where Python reads it as a literal, else its text ("347 * 28")
+def argument(node, kind):
+    """A call's argument for a parameter of JSON schema type `kind`: a literal of that type, else its source text."""
     try:
-        return ast.literal_eval(node)
-    except ValueError:
-        return ast.unparse(node)
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal: "347 * 28"
+        value = None
+    if kind == "string":
+        return value if isinstance(value, str) else ast.unparse(node)
+    if kind in ("integer", "number") and type(value) in (int, float) or kind == "boolean" and type(value) is bool:
+        return value
+    return ast.unparse(node)
 
 
 def parse_tool_calls(text, tools):
@@ -482,7 +495,7 @@ def parse_tool_calls(text, tools):
     if not calls and (plain := plain_call(text, tools)):
         calls, text = [{"name": plain[0], "arguments": plain[1]}], text.strip().partition("\n")[2]
     elif not calls and (written := python_call(text, tools)):
-        calls, text = [{"name": written[0], "arguments": written[1]}], text.replace(written[2], "", 1)
+        calls, text = [{"name": written[0], "arguments": written[1]}], text.replace(written[2], "", 1).strip("`\n")
     return text.strip() or None, calls
 
 

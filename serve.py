@@ -212,10 +212,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         url, hub = urllib.parse.urlparse(self.path), self.server.hub
-        if url.path == "/healthz":
+        if url.path == "/healthz" and hub:
             return self.healthz()
         if not self.authorized():
             return self.fail(401, "missing or wrong bearer token")
+        if url.path == "/healthz":  # the chat endpoint alone: to its callers only (an agent task's: its agents)
+            return self.healthz()
         if url.path == "/v1/models" and self.server.chat:  # the run (its weights), on its base model (root)
             return self.reply(200, {"object": "list", "data": [{"id": served(self.server.cfg), "object": "model",
                                                                 "created": 0, "owned_by": "flatrl",
@@ -447,16 +449,20 @@ class AsyncSource:
 
 def call(cfg, path, body=None, timeout=120):
     """HTTP to the trainer -> (status, headers, body bytes). HTTP errors are answers; while the trainer is
-    unreachable, retry every 0.5-2 s (a trainer that comes up is found within 2 s) for up to connect_timeout s."""
+    unreachable, retry every 0.5-2 s (a trainer that comes up is found within 2 s) for up to connect_timeout s. A 401
+    from a loopback trainer, to a worker with no token of its own, is tried again for 10 s: its own token, read from
+    its file (utils.local_token), may be an older trainer's on the same port."""
     url, start, delay = cfg.trainer_url.rstrip("/") + path, time.time(), 0.5
     while True:
-        token = bearer_token(cfg) or trainers_own_token(cfg.trainer_url)  # read again: the trainer may be starting
+        own = trainers_own_token(cfg.trainer_url)
+        token = bearer_token(cfg) or own  # read again: the trainer may be starting
         headers = {"X-Flatrl-Worker": WORKER, **({"Authorization": f"Bearer {token}"} if token else {})}
         try:
             with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=timeout) as r:
                 return r.status, r.headers, r.read()
         except urllib.error.HTTPError as e:
-            return e.code, e.headers, e.read()
+            if e.code != 401 or token != own or time.time() - start > 10:
+                return e.code, e.headers, e.read()
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
             if time.time() - start > cfg.connect_timeout:
                 raise SystemExit(f"trainer at {cfg.trainer_url} unreachable for {cfg.connect_timeout} s ({e}); "
@@ -464,8 +470,8 @@ def call(cfg, path, body=None, timeout=120):
             if delay == 0.5:  # said once a call: a worker waiting on its trainer is not hung
                 tqdm.write(f"worker {WORKER}: trainer at {cfg.trainer_url} unreachable ({e}); retrying for up to "
                            f"{cfg.connect_timeout:g} s (--connect-timeout)", file=sys.stderr)  # now, not at exit
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 def trainers_own_token(url):
@@ -477,6 +483,9 @@ def trainers_own_token(url):
 def hello(cfg):
     """The trainer's /config, once its settings match this worker's -> {"fingerprint", "steps"}; else SystemExit."""
     status, _, body = call(cfg, "/config")
+    if status == 401:
+        raise SystemExit(f"trainer refused /config (401: no token, or another): give this worker the trainer's, "
+                         f"--token-file or FLATRL_TOKEN (a loopback trainer's own is read from {LOCAL_TOKENS}/PORT)")
     if status != 200:
         raise SystemExit(f"trainer refused /config ({status}): {body[:200].decode(errors='replace')}")
     remote = json.loads(body)
@@ -537,12 +546,15 @@ def run_worker(cfg, task, policy, remote):
 def last_words(n, fate, cfg):
     """The worker's last line: its n accepted batches, and how many the trainer trained on (its X-Flatrl-Trained,
     -Stale headers) and why not the rest."""
-    trained, stale = (int(fate.get(f"X-Flatrl-{k}", 0)) for k in ("Trained", "Stale"))
-    line = f"worker {WORKER}: training finished after {n} batches; the trainer trained on {trained}"
+    line = f"worker {WORKER}: training finished after {n} batches"
+    if "X-Flatrl-Trained" not in fate:  # a trainer from before it counted
+        return line
+    trained, stale = int(fate["X-Flatrl-Trained"]), int(fate["X-Flatrl-Stale"])
+    line += f"; the trainer trained on {trained}"
     if stale:
         line += f"; {stale} dropped, sampled by weights more than --max-staleness {cfg.max_staleness} versions old"
-    if queued := n - trained - stale:
-        line += f"; {queued} still queued when the trainer had trained its last step"
+    if rest := n - trained - stale:  # (a trainer that restarted counts from 0 again, and lost its queue)
+        line += f"; {rest} not trained: still queued when it trained its last step, or lost when it restarted"
     return line
 
 

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import uuid
 from fractions import Fraction
 
@@ -834,21 +835,21 @@ class ReasoningGym(LLMTask):
         self.data, config = rg_dataset(cfg.task.partition(":")[2], cfg.rg_config)
         self.graders = Graders(cfg.task.partition(":")[2], config)
         super().__init__(cfg)
-        self.partial = set()  # scores between 0 and 1 that near misses of the answers got (grading_rule)
         for _, entry in self.eval_set[:8]:  # now, not at the first reward: does the child build the same items?
-            for reply in ["", *near_misses(entry["answer"])]:
-                if 0 < (score := self.score(f"<answer>{reply}</answer>", entry)) < 1:
-                    self.partial.add(score)
+            self.score("", entry)
 
     def grading_rule(self):
-        if not self.partial:
-            return (f"grading: {self.cfg.task} scores 0 or 1 (near misses of 8 held-out answers, cut short or with "
-                    "a character changed, scored 0)")
-        low, high = min(self.partial), max(self.partial)
-        scored = f"{low:.3g}" if low == high else f"{low:.3g} to {high:.3g}"
-        return (f"grading: {self.cfg.task} gives partial credit (near misses of 8 held-out answers scored {scored}): "
-                "reward can rise while accuracy stays 0, and "
-                "GRPO's std division makes a 0.01 difference a full-size advantage (--no-norm-std keeps it small)")
+        """Does the grader give partial credit? Tried on near misses of 8 held-out answers (32 replies)."""
+        partial = {score for _, entry in self.eval_set[:8] for reply in near_misses(entry["answer"])
+                   if 0 < (score := self.score(f"<answer>{reply}</answer>", entry)) < 1}
+        if not partial:
+            return f"grading: {self.cfg.task} gave no partial credit (near misses of 8 held-out answers scored 0)"
+        low, high = min(partial), max(partial)
+        line = (f"grading: {self.cfg.task} gives partial credit (near misses of 8 held-out answers scored "
+                f"{low:.3g}{'' if low == high else f' to {high:.3g}'}): reward can rise while accuracy stays 0")
+        if self.cfg.algo == "grpo" and self.cfg.norm_std:
+            line += "; GRPO's std division makes a 0.01 difference a full-size advantage (--no-norm-std: to scale)"
+        return line
 
     def problem(self, rng):
         i = rng.randrange(len(self.data))
@@ -877,19 +878,30 @@ class ReasoningGym(LLMTask):
 def near_misses(answer):
     """Wrong replies close to an answer: a grader that gives partial credit scores some of them between 0 and 1."""
     answer = str(answer)
-    return [answer[:-1], answer[:-1] + ("1" if answer[-1:] != "1" else "2"), "0"]
+    return ["", answer[:-1], answer[:-1] + ("1" if answer[-1:] != "1" else "2"), "0"]
 
 
-def json_fits(value, default):
-    """Does a JSON value fit a config field whose default is `default`? An int fits a float; a field whose default is
-    not a number, a string or a bool (None, a list) is left to the dataset's own checks."""
-    if not isinstance(default, (int, float, str)):
+def json_fits(value, hint):
+    """Does a JSON value fit a config field typed `hint`? int, float (an int fits), str, bool and Optional of them are
+    checked, and Literal choices; other types (lists, tuples) are left to the dataset's own checks."""
+    if typing.get_origin(hint) is typing.Literal:
+        return value in typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union:  # Optional[X]: null, or an X
+        return value is None or any(json_fits(value, h) for h in typing.get_args(hint) if h is not type(None))
+    if hint not in (int, float, str, bool):
         return True
-    if isinstance(default, bool) or isinstance(value, bool):
-        return type(value) is type(default)
-    if isinstance(default, float):
-        return isinstance(value, (int, float))
-    return isinstance(value, type(default))
+    if hint is bool or isinstance(value, bool):
+        return type(value) is hint
+    return isinstance(value, (int, float) if hint is float else hint)
+
+
+def type_words(hint):  # a field's type as an error says it: "an integer", "a number or null"
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(json.dumps, typing.get_args(hint)))
+    if typing.get_origin(hint) is typing.Union:
+        return " or ".join(words.get(h, "null") for h in typing.get_args(hint))
+    return words.get(hint, str(hint))
 
 
 def rg_dataset(name, config_json):
@@ -912,15 +924,17 @@ def rg_dataset(name, config_json):
     if not isinstance(config, dict):
         raise SystemExit(f"config error: --rg-config must be a JSON object such as '{{\"min_terms\": 2}}', not "
                          f"{config_json}")
-    defaults = {f.name: f.default for f in dataclasses.fields(reasoning_gym.factory.DATASETS[name][1])}
-    shown = ", ".join(f"{k} (default {v!r})" for k, v in defaults.items() if v is not dataclasses.MISSING)
+    kind = reasoning_gym.factory.DATASETS[name][1]  # its config dataclass
+    defaults = {f.name: f.default for f in dataclasses.fields(kind)}
+    shown = ", ".join(k if v is dataclasses.MISSING else f"{k} (default {v!r})" for k, v in defaults.items())
     if unknown := [key for key in config if key not in defaults]:
         raise SystemExit(f"config error: --rg-config: rg:{name} has no field {unknown[0]!r}; its fields: {shown}")
+    hints = typing.get_type_hints(kind)
     for key, value in config.items():  # its own checks would fail on a wrong type with Python's words
-        if not json_fits(value, defaults[key]):
-            kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(defaults[key]), "a string")
-            raise SystemExit(f"config error: --rg-config: rg:{name}'s {key} takes {kind} (default "
-                             f"{json.dumps(defaults[key])}), not {json.dumps(value)}")
+        number = type(defaults[key]) is float and type(value) is float  # a float default of an int field (rearc's)
+        if not json_fits(value, hints.get(key)) and not number:
+            raise SystemExit(f"config error: --rg-config: rg:{name}'s {key} takes {type_words(hints[key])} (default "
+                             f"{defaults[key]!r}), not {json.dumps(value)}")
     try:
         config = {"seed": 0, "size": 10_000, **config}
         return reasoning_gym.create_dataset(name, **config), config

@@ -221,24 +221,25 @@ BAR = ("reward", "truncated", "zero_var_groups")
 
 
 def step_notes(metrics, step, cfg, task, say_once):
-    """Why a step taught nothing, or that most replies were cut: each kind said once a run, in one line (else only a
+    """Why a step trained nothing, or that most replies were cut: each kind said once a run, in one line (else only a
     blank loss in metrics.csv and flat curves would show it)."""
-    cut, tied = metrics["truncated"], metrics.get("zero_var_groups") == 1
-    if tied or "loss" not in metrics and not metrics["nonfinite"]:
+    cut = task.llm and metrics["truncated"] > 0.5
+    if "loss" not in metrics and not metrics["nonfinite"]:  # no optimizer step: no row had an advantage
         what = ("every group's replies got the same reward (zero_var_groups 1), and GRPO and RLOO learn from the "
-                "differences between one prompt's replies" if tied else "no row had an advantage to learn from")
-        if task.llm and cut > 0.5:
-            cause = "most replies were cut (the next line)"
+                "differences between one prompt's replies" if metrics.get("zero_var_groups") == 1 else
+                "no row had an advantage to learn from")
+        if cut:
+            cause = f"most replies were cut at {task.cut_by}"
         elif metrics.get("accuracy") == 1:
             cause = "every reply is right already: a harder setting teaches more"
         else:
             cause = ("the task is out of the model's reach as it samples now: an easier setting, a worked example in "
                      "the prompt, or a bigger --group-size")
         say_once("idle", f"step {step}: nothing learned: {what} (reward {metrics['reward']:.3g}); likely: {cause}")
-    if task.llm and cut > 0.5:
-        say_once("cut", f"step {step}: {cut:.0%} of replies were cut before they ended, at {task.cut_by} "
-                        f"({cfg.max_new_tokens} tokens): a cut reply seldom holds an answer or a whole tool call; "
-                        "raise the limit")
+    if cut:
+        say_once("cut", f"step {step}: {metrics['truncated']:.0%} of replies were cut before they ended, at "
+                        f"{task.cut_by} ({cfg.max_new_tokens} tokens): a cut reply seldom holds an answer or a whole "
+                        "tool call; raise the limit")
 
 
 def sampler_gap(batch, cfg, say):

@@ -51,7 +51,7 @@ def partial_credit(data, n):
     from tasks import near_misses
     seen = set()
     for entry in (data[i] for i in range(n)):
-        for reply in ["", *near_misses(entry["answer"])]:
+        for reply in near_misses(entry["answer"]):
             signal.alarm(10)
             try:
                 score = data.score_answer(reply, entry)

@@ -374,5 +374,8 @@ def test_the_agent_endpoint_answers_only_its_agents_key(tiny_llm, monkeypatch):
     for key in (None, "the-clusters-secret", "flatrl"):
         assert post(url, body, {"Authorization": f"Bearer {key}"} if key else {})[0] == 401
     assert post(url, body, {"Authorization": f"Bearer {task.key}"})[0] == 200
+    health = url.replace("/v1/chat/completions", "/healthz")
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # not even what it serves, to a caller without the key
+        urllib.request.urlopen(health, timeout=10)
     code = f"import urllib.request\nurllib.request.urlopen({url!r}, data=b'{{}}', timeout=5)"
     assert run_python(code).startswith("error: exit code 1")  # model code: no key, and no TCP connection at all

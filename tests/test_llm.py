@@ -634,10 +634,27 @@ def test_a_run_that_learns_nothing_says_why_once(tiny_llm, tmp_path, capsys):
     said = [line for line in out.splitlines() if line.startswith("step ")]
     assert said == ["step 0: nothing learned: every group's replies got the same reward (zero_var_groups 1), and GRPO "
                     "and RLOO learn from the differences between one prompt's replies (reward 0); likely: most replies "
-                    "were cut (the next line)",
+                    "were cut at --max-new-tokens",
                     "step 0: 100% of replies were cut before they ended, at --max-new-tokens (2 tokens): a cut reply "
                     "seldom holds an answer or a whole tool call; raise the limit"]  # once each, not every step
     assert "truncated=1" in err and "zero_var_groups=1" in err  # on the progress bar
+
+
+@pytest.mark.parametrize("metrics, said", [
+    ({"loss": 0.4, "nonfinite": 0, "zero_var_groups": 1.0, "truncated": 0.0, "reward": 0.0}, []),  # reinforce, ppo:
+    ({"nonfinite": 0, "zero_var_groups": 1.0, "truncated": 0.0, "reward": 1.0, "accuracy": 1.0},  # tied groups train
+     ["idle: step 3: nothing learned: every group's replies got the same reward (zero_var_groups 1), and GRPO and "
+      "RLOO learn from the differences between one prompt's replies (reward 1); likely: every reply is right already: "
+      "a harder setting teaches more"]),
+    ({"nonfinite": 1, "truncated": 0.0, "reward": 0.0}, []),  # a skipped (non-finite) step is said elsewhere
+    ({"loss": 0.4, "nonfinite": 0, "truncated": 0.75, "reward": 0.5},
+     ["cut: step 3: 75% of replies were cut before they ended, at --max-new-tokens (8 tokens): a cut reply seldom "
+      "holds an answer or a whole tool call; raise the limit"])])
+def test_step_notes_say_what_stopped_learning_and_only_that(metrics, said):
+    task = type("Task", (), {"llm": True, "cut_by": "--max-new-tokens"})
+    heard = []
+    train.step_notes(metrics, 3, Config(max_new_tokens=8), task, lambda kind, line: heard.append(f"{kind}: {line}"))
+    assert heard == said
 
 
 def test_a_run_that_learns_says_nothing_of_the_kind(tmp_path, capsys):

@@ -98,12 +98,22 @@ def test_an_unknown_dataset_is_one_line_naming_close_ones(tmp_path):
 @pytest.mark.parametrize("config, said", [
     ('{"max_terms": "three"}', 'rg:basic_arithmetic\'s max_terms takes an integer \\(default 6\\), not "three"'),
     ('{"max_terms": true}', 'max_terms takes an integer \\(default 6\\), not true'),
-    ('{"allow_negation": 1}', 'allow_negation takes true or false \\(default true\\), not 1'),
-    ('{"format_style": 3}', 'format_style takes a string \\(default "simple"\\), not 3')])
+    ('{"allow_negation": 1}', 'allow_negation takes true or false \\(default True\\), not 1'),
+    ('{"format_style": "fancy"}', 'format_style takes one of "simple", "natural" \\(default \'simple\'\\), not "fancy"')])
 def test_an_rg_config_value_of_the_wrong_type_is_one_line_naming_the_type(config, said):
     with pytest.raises(SystemExit, match=said) as e:
         rg_task("basic_arithmetic", config)
     assert "\n" not in str(e.value) and "supported" not in str(e.value)  # not Python's own words
+
+
+def test_an_rg_config_value_is_checked_against_the_fields_type_not_its_defaults():
+    from tasks import rg_dataset
+    assert rg_dataset("manipulate_matrix", '{"w_rotate": 0.5}')[1]["w_rotate"] == 0.5  # float, default 1
+    assert rg_dataset("calendar_arithmetic", '{"seed": null}')[1]["seed"] is None  # Optional[int]
+    with pytest.raises(SystemExit, match="seed takes an integer or null \\(default 42\\), not \"x\""):
+        rg_dataset("calendar_arithmetic", '{"seed": "x"}')
+    with pytest.raises(SystemExit, match="its fields: .*, task_types$"):  # a field whose default is a factory
+        rg_dataset("advanced_geometry", '{"task_type": 1}')
 
 
 def test_rg_config_on_another_task_is_refused_before_any_work(tmp_path):
@@ -170,14 +180,17 @@ def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, c
     assert [float(r["reward"]) for r in rows[:2]] == [0.5, 0.5] and float(rows[1]["accuracy"]) == 0.5
     assert float(rows[0]["eval_acc"]) == 0.5  # greedy, one row a prompt: held-out prompts 0 and 2 answered right
     assert float(rows[1]["grad_norm"]) > 0 and rows[2]["reward"] == ""  # the last row: the final evaluation
-    assert "grading: rg:basic_arithmetic scores 0 or 1 (near misses" in capsys.readouterr().out  # its opening line
+    said = capsys.readouterr().out  # its opening line
+    assert "grading: rg:basic_arithmetic gave no partial credit (near misses of 8 held-out answers scored 0)" in said
 
 
 def test_the_opening_line_says_which_graders_give_partial_credit():
     # countdown: 0.01 for a reply that is no expression, 0.05 for a wrong one (near_misses: "", cut, changed, "0")
-    assert rg_task("countdown").grading_rule().startswith("grading: rg:countdown gives partial credit (near misses of "
-                                                          "8 held-out answers scored 0.01 to 0.05)")
-    assert rg_task("basic_arithmetic").partial == set()
+    assert rg_task("countdown", algo="grpo").grading_rule() == (
+        "grading: rg:countdown gives partial credit (near misses of 8 held-out answers scored 0.01 to 0.05): reward can "
+        "rise while accuracy stays 0; GRPO's std division makes a 0.01 difference a full-size advantage (--no-norm-std: "
+        "to scale)")
+    assert rg_task("countdown", algo="rloo").grading_rule().endswith("accuracy stays 0")  # the GRPO part: GRPO's
 
 
 def test_a_trainer_and_a_rollout_worker_train_an_rg_task(tiny_llm, tmp_path):
