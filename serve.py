@@ -212,12 +212,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         url, hub = urllib.parse.urlparse(self.path), self.server.hub
-        if url.path == "/healthz" and hub:
+        if url.path == "/healthz" and (hub or self.authorized()):  # the chat endpoint alone: to its callers only
             return self.healthz()
         if not self.authorized():
             return self.fail(401, "missing or wrong bearer token")
-        if url.path == "/healthz":  # the chat endpoint alone: to its callers only (an agent task's: its agents)
-            return self.healthz()
         if url.path == "/v1/models" and self.server.chat:  # the run (its weights), on its base model (root)
             return self.reply(200, {"object": "list", "data": [{"id": served(self.server.cfg), "object": "model",
                                                                 "created": 0, "owned_by": "flatrl",
