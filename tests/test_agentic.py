@@ -176,11 +176,17 @@ class Tools(Calc):
     ('<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>', "error: boom raised RuntimeError: kaput"),
     ("calculator: 2 ** 8", "error: calculator raised ValueError: use numbers, + - * / and parentheses"),
     ("```\ncalculator(347 * 28)\n```", "calculator result: 9716"),  # Python, as small models write unprompted:
-    ('Use calculator("347 * 28").', "calculator result: 9716"),  # an argument as its text, or as the literal
+    ('`calculator("347 * 28")`', "calculator result: 9716"),  # an argument as its text, or as the literal
     ("calculator(expression='(1 + 2) * 3')", "calculator result: 9"),
-    ("print(boom(x=1))", "error: boom raised RuntimeError: kaput"),
+    ("boom(x=1)", "error: boom raised RuntimeError: kaput"),
+    ('Use calculator("347 * 28").', None), ("print(boom(x=1))", None),  # a call inside a sentence is text
     ("calculator(1, 2)", None),  # more arguments than it takes: no call
     ("f(347 * 28) is 9716 (as I said)", None),  # no tool of the task's: no call
+    ("calculator(347 * 28) = 9716, so 9716.", None),  # an answer that restates a call is an answer
+    ("def calculator(x):", None), ("obj.calculator(2)", None),
+    ('calculator(b"1")', "error: calculator raised ValueError"),  # a literal JSON cannot hold: its text
+    ("calculator(" + "-" * 390 + "1)", None),  # nesting deeper than the parser's stack: no call, no crash
+    ("calculator( " * 2000 + ") " * 2000, None),  # a long degenerate reply: no call, in linear time
     ("The answer is 9716.", None),  # no call: the episode ends
 ])
 def test_tool_calls_and_their_errors(reply, expect):

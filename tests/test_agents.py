@@ -104,7 +104,7 @@ def test_tool_calls_are_parsed_into_the_openai_shape(endpoint, monkeypatch):
     call = {"name": "calculator", "arguments": {"expression": "1 + 2"}}
     assert parse_tool_calls(text, tools) == ("Let me see.", [call])
     assert parse_tool_calls("<tool_call>{not json</tool_call>", tools) == ("<tool_call>{not json</tool_call>", [])
-    assert parse_tool_calls("So calculator(12 * 3) it is.", tools) == ("So  it is.", [  # Python-style, cut out
+    assert parse_tool_calls("Let me see.\n```\ncalculator(12 * 3)\n```", tools) == ("Let me see.", [  # Python-style
         {"name": "calculator", "arguments": {"expression": "12 * 3"}}])
 
 
