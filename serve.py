@@ -110,11 +110,11 @@ def unpack_batch(body, cfg, expect):
         raise ValueError(f"observations must have {expect.obs_dim} features; got {b.obs.shape[2]}, "
                          f"{b.final_obs.shape[1]}")
     try:
-        b.version, worker = int(meta["version"]), str(meta["worker"])
+        b.version, b.worker = int(meta["version"]), str(meta["worker"])
         b.stats = {str(k): float(v) for k, v in json.loads(meta.get("stats", "{}")).items()}
     except (KeyError, ValueError, TypeError, AttributeError):
         raise ValueError("metadata needs an integer 'version', a 'worker' and optional JSON 'stats' of numbers")
-    return b, worker
+    return b, b.worker
 
 
 class Expect(dict):
@@ -298,7 +298,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if hub.done:
                 hub.told.add(worker)
                 return self.reply(410, {"error": "training finished"}, hub.fate(worker))
-            batch.worker = worker  # (take() counts its fate)
             if batch.version > hub.version:
                 return self.fail(400, f"version {batch.version} is from the future (trainer is at {hub.version})")
             if len(hub.queue) >= cfg.max_queue:

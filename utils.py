@@ -62,6 +62,7 @@ class Batch:
     final_obs: torch.Tensor = None  # [N, D] control: the observation after the last step (bootstraps truncated rows)
     last_value: torch.Tensor = None  # [N] V(final_obs) where a time limit cut the episode, else 0 (ppo)
     version: int = 0  # weights version that sampled this batch (async)
+    worker: str = ""  # the rollout worker that pushed it (async: the trainer tells each worker what it trained)
     stats: dict = dataclasses.field(default_factory=dict)  # the task's per-step metrics (accuracy, ...)
 
     def tensors(self):
