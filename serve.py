@@ -179,8 +179,7 @@ def bind_token(bind, cfg):
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """The trainer's HTTP routes, one method each. What they share (the Hub, the config, the expected tensors, the
-    token) hangs on the server: self.server.hub and so on (AsyncSource sets them)."""
+    """What both APIs' routes share: replies, errors, the token, the body (self.server.cfg, .token)."""
     timeout = 30  # seconds a client may take to send its request: a stalled client cannot pin a thread
 
     def log_message(self, *args):  # the trainer's progress bar owns the terminal
@@ -199,9 +198,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def fail(self, code, msg, param=None):
         """An error in OpenAI's shape (its clients read it; so do flatrl's workers)."""
-        if self.command == "POST" and self.server.hub:  # the trainer's count of refused pushes
-            with self.server.hub.cond:
-                self.server.hub.counts["rejected"] += 1
         kinds = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
         kind = kinds.get(code, "invalid_request_error")
         self.reply(code, {"error": {"message": msg, "type": kind, "param": param, "code": None}})
@@ -210,18 +206,38 @@ class Handler(http.server.BaseHTTPRequestHandler):
         got, token = self.headers.get("Authorization", ""), self.server.token
         return token is None or hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
 
-    def do_GET(self):
-        url, hub = urllib.parse.urlparse(self.path), self.server.hub
-        if url.path == "/healthz" and (hub or self.authorized()):  # the chat endpoint alone: to its callers only
-            return self.healthz()
+    def body(self):
+        """A POST's body, or None once a 4xx said why not (no token, no length, over body_limit_mb, cut short)."""
         if not self.authorized():
             return self.fail(401, "missing or wrong bearer token")
-        if url.path == "/v1/models" and self.server.chat:  # the run (its weights), on its base model (root)
-            return self.reply(200, {"object": "list", "data": [{"id": served(self.server.cfg), "object": "model",
-                                                                "created": 0, "owned_by": "flatrl",
-                                                                "root": self.server.cfg.model}]})
-        if not hub:
-            return self.fail(404, f"no endpoint {url.path}")
+        size, limit = self.headers.get("Content-Length", ""), int(self.server.cfg.body_limit_mb * 2**20)
+        if not size.isdecimal():
+            return self.fail(411, "a non-negative integer Content-Length is required")
+        if (size := int(size)) > limit:
+            return self.fail(413, f"body of {size} bytes is over the {limit}-byte limit (body_limit_mb)")
+        body = self.rfile.read(size)
+        if len(body) != size:
+            return self.fail(400, f"body ended after {len(body)} of {size} bytes")
+        return body
+
+
+class TrainerRoutes(Handler):
+    """The trainer's routes, for its rollout workers (self.server.hub, .expect: AsyncSource sets them)."""
+
+    def fail(self, code, msg, param=None):
+        if self.command == "POST":  # the trainer's count of refused pushes
+            with self.server.hub.cond:
+                self.server.hub.counts["rejected"] += 1
+        super().fail(code, msg, param)
+
+    def do_GET(self):
+        url, hub = urllib.parse.urlparse(self.path), self.server.hub
+        if url.path == "/healthz":  # open to all: it says only the version, the queue's length and the counts
+            with hub.cond:
+                health = {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts}
+            return self.reply(200, health)
+        if not self.authorized():
+            return self.fail(401, "missing or wrong bearer token")
         if worker := self.headers.get("X-Flatrl-Worker"):  # a flatrl worker, waited for at the end (a curl is not)
             with hub.cond:
                 hub.heard(worker)
@@ -231,14 +247,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if url.path == "/weights":
             return self.weights(url.query, worker)
         return self.fail(404, f"no endpoint {url.path}")
-
-    def healthz(self):
-        hub, cfg = self.server.hub, self.server.cfg
-        if hub is None:  # the chat endpoint alone (--serve, an agent task's)
-            return self.reply(200, {"serving": served(cfg), "max_tokens": cfg.max_new_tokens})
-        with hub.cond:
-            health = {"version": hub.version, "queued": len(hub.queue), "done": hub.done, **hub.counts}
-        self.reply(200, health)
 
     def weights(self, query, worker):
         """GET /weights?have=V&wait=S: long-poll for a version other than V; 304 after S seconds, 410 once done."""
@@ -264,30 +272,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 hub.told.add(worker)
 
     def do_POST(self):
-        routes = {"/rollouts": self.rollouts if self.server.hub else None,
-                  "/v1/chat/completions": self.chat_completions if self.server.chat else None}
-        if not routes.get(self.path):
-            return self.fail(404, f"no endpoint {self.path}")
-        if not self.authorized():
-            return self.fail(401, "missing or wrong bearer token")
-        body = self.body()
-        if body is not None:
-            routes[self.path](body)
-
-    def body(self):
-        """The request's body, or None once a 4xx said why not (no length, over body_limit_mb, cut short)."""
-        size, limit = self.headers.get("Content-Length", ""), int(self.server.cfg.body_limit_mb * 2**20)
-        if not size.isdecimal():
-            return self.fail(411, "a non-negative integer Content-Length is required")
-        if (size := int(size)) > limit:
-            return self.fail(413, f"body of {size} bytes is over the {limit}-byte limit (body_limit_mb)")
-        body = self.rfile.read(size)
-        if len(body) != size:
-            return self.fail(400, f"body ended after {len(body)} of {size} bytes")
-        return body
-
-    def rollouts(self, body):
         """POST /rollouts: a batch into the queue (200), or why not (400 malformed, 410 done, 503 queue full)."""
+        if self.path != "/rollouts":
+            return self.fail(404, f"no endpoint {self.path}")
+        body = self.body()
+        if body is None:
+            return
         hub, cfg = self.server.hub, self.server.cfg
         try:
             batch, worker = unpack_batch(body, cfg, self.server.expect)
@@ -309,25 +299,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.reply(200, {"queued": len(hub.queue)})
 
 
-    def chat_completions(self, body):
-        """POST /v1/chat/completions: OpenAI's chat completion (or its server-sent events, with stream), answered by
-        the run's sampler (Chat)."""
-        try:
-            req = chat_request(body)
-            answer = self.server.chat.complete(req, self.headers.get("X-Flatrl-Episode"))
-        except BadRequest as e:
-            return self.fail(e.code, str(e), e.param)
-        except Exception as e:  # the sampler failed: the agent hears why (a 500), the server goes on
-            return self.fail(500, f"sampling failed: {type(e).__name__}: {e}")
-        if not req.get("stream"):
-            return self.reply(200, answer)
-        self.send_response(200)  # HTTP/1.0: the events end when the connection closes
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for event in [*stream_chunks(answer), "[DONE]"]:
-            self.wfile.write(f"data: {event if event == '[DONE]' else json.dumps(event)}\n\n".encode())
-
-
 class AsyncSource:
     """Batches pushed by rollout workers. Keeps the weights of the last max_staleness + 1 versions;
     a batch sampled by any older version is dropped (counted), never trained on."""
@@ -342,9 +313,8 @@ class AsyncSource:
         self.wire = cfg.wire_dtype if cfg.wire_dtype != "auto" else cfg.gen_dtype if task.llm else "float32"
         self.server = None  # under torchrun only rank 0 serves; the others get every batch from it (next_batch)
         if rank() == 0:
-            self.server = Server((cfg.bind, cfg.port), Handler, bind_and_activate=False)
+            self.server = Server((cfg.bind, cfg.port), TrainerRoutes, bind_and_activate=False)
             self.server.hub, self.server.cfg, self.server.expect, self.server.token = self.hub, cfg, self.expect, token
-            self.server.chat = None
             self.server.server_bind()  # the port; a worker that connects before listen() is refused and reads again
             if made:  # written before any connection is taken: local workers read it (utils.local_token)
                 local_token(self.server.server_port, token)
@@ -668,9 +638,9 @@ class Chat:
     X-Flatrl-Episode) are recorded apart: the prompt ids, the sampled ids and their logprobs. Where a call's messages
     are the previous call's and its reply, unchanged, plus new ones, its prompt is that call's prompt and reply as
     sampled plus the new messages' ids: nothing sampled is tokenized again. In training the run's temperature
-    samples (the loss models exactly it) and max_tokens is capped at max_new_tokens; evaluation is greedy. Calls
-    that come while others' agents are still running wait for them (up to a quarter of the last generate's time, within
-    0.2 s and WAIT_S: an agent busy elsewhere costs the others little): one generate samples them all."""
+    samples (the loss models exactly it) and max_tokens is capped at max_new_tokens; evaluation is greedy. A call
+    waits while a generate is under way, and briefly (wait_s) while fewer calls wait than agents still run: one
+    generate then samples them all, and an agent busy elsewhere costs the others little (sample)."""
 
     def __init__(self, policy, cfg):
         self.policy, self.cfg, self.cond = policy, cfg, threading.Condition()
@@ -678,7 +648,7 @@ class Chat:
         self.runs, self.running = {}, set()  # agent run id -> {"calls": [...], "error": cause}; agents not returned
         self.order = {}  # the open runs' ids -> their place (calls are sampled in that order)
         self.greedy, self.ignored = False, 0  # evaluation; training calls that set sampling fields
-        self.wait_s = WAIT_S  # how long a call waits for the other running agents' calls (sample)
+        self.wait_s = WAIT_S  # the longest a call waits for the other running agents' calls (sample)
 
     def open(self, runs, greedy):
         with self.cond:
@@ -745,15 +715,17 @@ class Chat:
         return self.policy.prompt_ids(m, tools)
 
     def sample(self, prompt, n, cap, greedy, run=None):
-        """n replies [(ids, logps)] to one prompt. The call waits while a generate is under way, and a while (wait_s)
-        while running agents have yet to call; then the first call still waiting samples every waiting one."""
+        """n replies [(ids, logps)] to one prompt. The call waits while a generate is under way (its own call may be
+        in it), and, for at most wait_s (a quarter of the last generate's seconds, between 0.2 s and WAIT_S), while
+        fewer calls wait than agents are still running: an agent that has not called yet will likely call soon, and
+        one generate then samples them all. Then the first call still waiting samples every waiting one."""
         mine, until = {"prompt": prompt, "n": n, "cap": cap, "greedy": greedy, "run": run}, time.time() + self.wait_s
         with self.cond:
             if run is not None and run not in self.runs:  # closed while this call built its prompt
                 raise BadRequest(ENDED, code=410)
             self.waiting.append(mine)
             self.cond.notify_all()
-            while "out" not in mine and (self.busy or len(self.waiting) < len(self.running) and time.time() < until):
+            while self.must_wait(mine, until):
                 self.cond.wait(max(until - time.time(), 0.01))
             if "out" not in mine:
                 todo, self.waiting, self.busy = self.waiting, [], True
@@ -769,6 +741,15 @@ class Chat:
         if isinstance(mine["out"], Exception):
             raise mine["out"]
         return mine["out"]
+
+    def must_wait(self, mine, until):
+        """Under cond: does the call `mine` wait on? Not once answered; yes while a generate is under way; else only
+        till `until`, and only while fewer calls wait than agents are still running (one of them may yet call)."""
+        if "out" in mine:
+            return False
+        if self.busy:
+            return True
+        return len(self.waiting) < len(self.running) and time.time() < until
 
     def generate(self, calls):
         """The calls' replies, in the order their agent runs were opened (so a seed gives the same samples): calls
@@ -799,12 +780,49 @@ def served(cfg):
     return os.path.basename(os.path.normpath(cfg.out)) if cfg.out else cfg.model
 
 
+class ChatRoutes(Handler):
+    """The OpenAI-compatible routes, all behind the token (self.server.chat: serve_chat sets it)."""
+
+    def do_GET(self):
+        path, cfg = urllib.parse.urlparse(self.path).path, self.server.cfg
+        if not self.authorized():  # /healthz too: an agent endpoint tells what it serves to its callers only
+            return self.fail(401, "missing or wrong bearer token")
+        if path == "/healthz":
+            return self.reply(200, {"serving": served(cfg), "max_tokens": cfg.max_new_tokens})
+        if path == "/v1/models":  # the run (its weights), on its base model (root)
+            return self.reply(200, {"object": "list", "data": [{"id": served(cfg), "object": "model", "created": 0,
+                                                                "owned_by": "flatrl", "root": cfg.model}]})
+        return self.fail(404, f"no endpoint {path}")
+
+    def do_POST(self):
+        """POST /v1/chat/completions: OpenAI's chat completion (its server-sent events, with stream), by Chat."""
+        if self.path != "/v1/chat/completions":
+            return self.fail(404, f"no endpoint {self.path}")
+        body = self.body()
+        if body is None:
+            return
+        try:
+            req = chat_request(body)
+            answer = self.server.chat.complete(req, self.headers.get("X-Flatrl-Episode"))
+        except BadRequest as e:
+            return self.fail(e.code, str(e), e.param)
+        except Exception as e:  # the sampler failed: the agent hears why (a 500), the server goes on
+            return self.fail(500, f"sampling failed: {type(e).__name__}: {e}")
+        if not req.get("stream"):
+            return self.reply(200, answer)
+        self.send_response(200)  # HTTP/1.0: the events end when the connection closes
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for event in [*stream_chunks(answer), "[DONE]"]:
+            self.wfile.write(f"data: {event if event == '[DONE]' else json.dumps(event)}\n\n".encode())
+
+
 def serve_chat(policy, cfg, bind="127.0.0.1", port=0, token=None):
     """The endpoint alone -> its server. AgentTask's, in every process that plays agents, takes a key of its own
     (`token`, random, given only to the agents' clients: model code run by a tool has none); train.py --serve's,
     the run's token (bind_token)."""
     token = token or bind_token(bind, cfg)
-    server = Server((bind, port), Handler)
-    server.hub, server.cfg, server.expect, server.chat, server.token = None, cfg, None, Chat(policy, cfg), token
+    server = Server((bind, port), ChatRoutes)
+    server.cfg, server.chat, server.token = cfg, Chat(policy, cfg), token
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

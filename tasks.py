@@ -178,6 +178,43 @@ def replies(chat):
     return [m["content"] for m in chat if m["role"] == "assistant"]
 
 
+@dataclasses.dataclass
+class Episode:
+    """An episode as play() returns it beside the Batch of its tokens: what rewards, metrics and samples read."""
+    chat: list  # after the prompt, as OpenAI messages: the replies and the environment's messages (agents: the replies)
+    answer: object  # what correct and reward grade: the last reply's text, or an agent's outcome (a text or a reward)
+    error: str = None  # agent runs: why the run got reward 0 (counted in agent_errors_<cause>), else None
+    calls: list = dataclasses.field(default_factory=list)  # agent runs: the calls as serve.Chat recorded them
+
+
+def place_rewards(batch, rewards, penalties, cfg):
+    """Each episode's reply rewards onto the last token of its replies, numbered across the episode's rows (batch.run:
+    an agent run can be several). rewards[e]: those of episode e's last len(rewards[e]) replies (replies before them
+    earn 0). --credit turn: a reply its own, and a row's last reply also the rewards of the replies in its episode's
+    later rows, discounted by turn_discount per reply (each row trains alone); --credit episode: the episode's return
+    sum_k d^k r_k on each row's last reply, for every token to share. Then penalties[e] (overlong) on its last token."""
+    ends, d = reply_ends(batch.mask), cfg.turn_discount  # [N, T]
+    count = ends.sum(1)  # [N] replies in each row
+    total = torch.zeros(len(rewards), dtype=torch.long).index_add(0, batch.run, count)  # [episodes] replies in each
+    r = []  # episode -> a reward for each of its replies
+    for k, x in zip(total.tolist(), rewards):
+        r.append(([0.0] * k + list(x))[len(x):] if len(x) <= k else list(x)[len(x) - k:])
+    placed = [0] * len(rewards)  # replies of each episode placed so far (rows are in order)
+    for row, e in enumerate(batch.run.tolist()):
+        cols, k = ends[row].nonzero()[:, 0], int(count[row])
+        if not k:  # a row with nothing sampled (an agent that never called)
+            continue
+        if cfg.credit == "episode":
+            batch.rewards[row, cols[-1]] = sum(x * d**j for j, x in enumerate(r[e]))
+        else:
+            mine, later = r[e][placed[e]:placed[e] + k], r[e][placed[e] + k:]
+            mine[-1] += sum(x * d**(j + 1) for j, x in enumerate(later))  # the episode's later rows, discounted
+            batch.rewards[row, cols] = torch.tensor(mine)
+        placed[e] += k
+        if placed[e] == total[e]:
+            batch.rewards[row, cols[-1]] += penalties[e]
+
+
 def distinct_problems(problem, seed, want, exclude=frozenset()):
     """-> {question: answer} of up to `want` distinct problems of problem(rng) seeded `seed`, none in `exclude`: as
     many as 1000 x want draws find."""
@@ -201,15 +238,15 @@ def check_training_room(task):
                          f"after the {task.cfg.n_eval} held out, fewer than a step's {want} prompts: lower --n-eval")
 
 
-def save_samples(cfg, step, problems, chats):
+def save_samples(cfg, step, problems, episodes):
     """An evaluation's first four episodes, appended to the run's samples.jsonl (rank 0)."""
     if rank() > 0 or not cfg.out:
         return
     with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
-        for (q, a), chat in list(zip(problems, chats))[:4]:
-            more = {"turns": chat} if cfg.max_turns > 1 else {}
+        for (q, a), ep in list(zip(problems, episodes))[:4]:
+            more = {"turns": ep.chat} if cfg.max_turns > 1 else {}
             answer = a["answer"] if isinstance(a, dict) else a  # a reasoning-gym entry: its answer, not its metadata
-            sample = {"step": step, "prompt": q, "answer": str(answer), "completion": replies(chat)[-1], **more}
+            sample = {"step": step, "prompt": q, "answer": str(answer), "completion": str(ep.answer), **more}
             f.write(json.dumps(sample) + "\n")
 
 
@@ -220,9 +257,9 @@ class LLMTask:
     llm = True
     rewards = [(1.0, numeric_match)]  # (weight, fn(prompt, completion, answer) -> float), summed
     tools = None  # functions the chat template describes to the model (ToolTask)
-    runs_model_text = False  # True where rewards or tools run what the model wrote (run_python; a grader's eval()):
-    # the run's processes are then non-dumpable from their start and a loopback trainer asks a token (README "Tokens")
+    runs_model_text = False  # rewards or tools run model text: non-dumpable from the start, a token (README "Tokens")
     cut_by = "--max-new-tokens"  # what cuts a reply short (a step where most are cut says so: train.step_notes)
+    first_reply_answers = True  # multi-turn: the first reply is an answer too (eval_acc_turn1); an agent's call is not
 
     def __init__(self, cfg):
         self.cfg, self.max_len = cfg, cfg.max_new_tokens * cfg.max_turns  # L_max: sampled tokens per episode
@@ -271,7 +308,11 @@ class LLMTask:
         turn_discount^k."""
         return [0.0] * (len(turns) - 1) + [self.episode_reward(question, answer, turns)]
 
-    def episode_stats(self, chats):
+    def episode_rewards(self, question, answer, episode):
+        """The rewards of the episode's last replies (place_rewards): here one per reply, turn_rewards'."""
+        return self.turn_rewards(question, answer, replies(episode.chat))
+
+    def episode_stats(self, episodes):
         """The task's own metrics of some episodes (means): logged in training, and as eval_ ones."""
         return {}
 
@@ -279,7 +320,7 @@ class LLMTask:
         """n episodes per (question, answer): the model replies, env_response answers (as model.env_ids) or ends it;
         at most max_turns replies and max_episode_tokens tokens (reaching it: truncated). Each turn is ONE generate
         call. An episode is one token sequence: the prompt, replies as sampled (mask 1), messages (mask 0).
-        -> (Batch, each episode's chat after the prompt as [{"role": ..., "content": ...}, ...])"""
+        -> (Batch, [Episode]: each one's chat after the prompt, its last reply the answer)"""
         cfg, cap = self.cfg, self.cfg.max_episode_tokens or sys.maxsize
         prompts = [policy.prompt_ids(self.build_prompt(q), self.tools) for q, _ in problems]
         problem_of = [i for i in range(len(problems)) for _ in range(n)]  # episode -> its problem
@@ -315,43 +356,40 @@ class LLMTask:
                 break
         batch = policy.to_batch([prompts[i] for i in problem_of], tails, masks,
                                 logps if sampler_logps is not None else None, cut, n)
-        return batch, chats
+        return batch, [Episode(chat, replies(chat)[-1]) for chat in chats]
 
     def rollout(self, policy, step):
-        problems, G = self.train_problems(step)[rank()::world()], self.cfg.group_size  # data parallel: a share each
-        t = time.time()
-        batch, chats = self.play(policy, problems, G)
-        gen_s, lengths = time.time() - t, batch.mask.sum(1)  # [N] sampled tokens per episode
-        turns, ends, d = list(map(replies, chats)), reply_ends(batch.mask), self.cfg.turn_discount
-        for i, (r, n) in enumerate(zip(turns, lengths.tolist())):
-            R = self.turn_rewards(*problems[i // G], r)  # one per reply, each on the reply's last token (--credit turn)
-            if self.cfg.credit == "episode":  # or the episode's return on its last token, for every token to share
-                R = [0.0] * (len(R) - 1) + [sum(x * d**k for k, x in enumerate(R))]
-            R[-1] += overlong_penalty(n, self.max_len, self.cfg.overlong_buffer)
-            batch.rewards[i, ends[i]] = torch.tensor(R)
-        right = [self.correct(self.build_prompt(problems[i // G][0]), r[-1], problems[i // G][1])
-                 for i, r in enumerate(turns)]
-        batch.stats = {"accuracy": sum(right) / len(turns), "gen_s": gen_s, "gen_tok_s": lengths.sum().item() / gen_s,
-                       **self.episode_stats(chats)}
-        if self.cfg.max_turns > 1:
-            batch.stats["turns"] = sum(map(len, turns)) / len(turns)  # assistant replies per episode
+        """The step's episodes (play), their rewards on their replies' last tokens (place_rewards), the step's stats."""
+        problems, G, t = self.train_problems(step)[rank()::world()], self.cfg.group_size, time.time()  # a share each
+        batch, episodes = self.play(policy, problems, G)
+        gen_s = time.time() - t
+        sampled = torch.zeros(len(episodes)).index_add(0, batch.run, batch.mask.sum(1)).tolist()  # tokens per episode
+        penalties = [overlong_penalty(n, self.max_len, self.cfg.overlong_buffer) for n in sampled]
+        place_rewards(batch, [self.episode_rewards(*problems[e // G], ep) for e, ep in enumerate(episodes)],
+                      penalties, self.cfg)
+        right = [self.correct(self.build_prompt(problems[e // G][0]), ep.answer, problems[e // G][1])
+                 for e, ep in enumerate(episodes)]
+        batch.stats = {"accuracy": sum(right) / len(episodes), "gen_s": gen_s,
+                       "gen_tok_s": batch.mask.sum().item() / gen_s, **self.episode_stats(episodes)}
+        if self.cfg.max_turns > 1:  # assistant replies per episode
+            batch.stats["turns"] = sum(len(replies(ep.chat)) for ep in episodes) / len(episodes)
         return batch
 
     def evaluate(self, policy, step):
-        """Greedy held-out accuracy of the last reply (eval_acc), multi-turn of the first too; pass@k; samples.jsonl."""
+        """Greedy held-out accuracy of the answers (eval_acc), multi-turn of the first reply too; the task's
+        episode_stats; pass@k; samples.jsonl."""
         mine = self.eval_set[rank()::world()]
         prompts = [self.build_prompt(q) for q, _ in mine]
-        chats = self.play(policy, mine, 1, greedy=True)[1]
-        said = list(map(replies, chats))
-        out = {"eval_acc": self.solved_fraction(mine, prompts, [r[-1] for r in said], 1)}
-        if self.cfg.max_turns > 1:
-            out["eval_acc_turn1"] = self.solved_fraction(mine, prompts, [r[0] for r in said], 1)
-        for k, v in self.episode_stats(chats).items():  # a mean over ranks: each holds as many episodes
+        episodes = self.play(policy, mine, 1, greedy=True)[1]
+        out = {"eval_acc": self.solved_fraction(mine, prompts, [ep.answer for ep in episodes], 1)}
+        if self.cfg.max_turns > 1 and self.first_reply_answers:
+            out["eval_acc_turn1"] = self.solved_fraction(mine, prompts, [replies(ep.chat)[0] for ep in episodes], 1)
+        for k, v in self.episode_stats(episodes).items():  # a mean over ranks: each holds as many episodes
             out[f"eval_{k}"] = all_reduce_sum(torch.tensor(v)).item() / world()
         if self.cfg.eval_k:
-            last = [replies(c)[-1] for c in self.play(policy, mine, self.cfg.eval_k)[1]]
-            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, last, self.cfg.eval_k)
-        save_samples(self.cfg, step, mine, chats)
+            answers = [ep.answer for ep in self.play(policy, mine, self.cfg.eval_k)[1]]
+            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, answers, self.cfg.eval_k)
+        save_samples(self.cfg, step, mine, episodes)
         return out
 
     def solved_fraction(self, problems, prompts, texts, k):
@@ -377,32 +415,6 @@ class Arith(LLMTask):
         if numeric_match(question, turns[-1], answer):
             return None
         return "That is not right. Try again: reply with just the number."
-
-
-def countdown_correct(prompt, completion, answer):
-    """1 if the <answer> expression uses each of the numbers once and equals the target."""
-    numbers, target = answer
-    return float(eval_expression(answer_tag(completion) or "", numbers) == target)
-
-
-class Countdown(LLMTask):
-    """Reach a target with 3 or 4 numbers, each used exactly once, and + - * / (). Instances are built
-    from a random expression, so every one is solvable; rewarded 0.1 for <answer> tags, 1 if correct."""
-    rewards = [(0.1, format_reward), (1.0, countdown_correct)]
-
-    def problem(self, rng):
-        nums = [rng.randint(1, 20) for _ in range(rng.choice((3, 4)))]
-        pool = list(nums)
-        while len(pool) > 1:
-            x, y = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
-            op = rng.choice("+-*/" if x > y and x % y == 0 else "+*" if x <= y else "+-*")
-            pool.append({"+": x + y, "-": x - y, "*": x * y, "/": x // max(y, 1)}[op])
-        q = (f"Using the numbers {nums}, write an expression that equals {pool[0]}. Use each number exactly "
-             f"once, with + - * / and parentheses. Put the expression in <answer></answer> tags.")
-        return q, (nums, pool[0])
-
-    def correct(self, prompt, completion, answer):
-        return countdown_correct(prompt, completion, answer)
 
 
 CONFINE = """import ctypes, os, resource, struct, sys
@@ -610,10 +622,11 @@ class ToolTask(LLMTask):
         except Exception as e:  # whatever the tool raises is the model's to read, never the trainer's to crash on
             return f"error: {name} raised {type(e).__name__}: {e}"
 
-    def episode_stats(self, chats):
-        tool = [[m for m in c if m["role"] == "tool"] for c in chats]
-        return {"tool_calls": sum(map(len, tool)) / len(chats), "tool_use": sum(map(bool, tool)) / len(chats),
-                "tool_errors": sum(m["content"].startswith("error:") for t in tool for m in t) / len(chats)}
+    def episode_stats(self, episodes):
+        tool = [[m for m in ep.chat if m["role"] == "tool"] for ep in episodes]
+        n = len(episodes)
+        return {"tool_calls": sum(map(len, tool)) / n, "tool_use": sum(map(bool, tool)) / n,
+                "tool_errors": sum(m["content"].startswith("error:") for t in tool for m in t) / n}
 
     def correct(self, prompt, completion, answer):  # an answer, not a call (an empty call is a malformed call)
         return 0.0 if self.find_call(completion) is not None else numeric_match(prompt, completion, answer)
@@ -683,6 +696,7 @@ class AgentTask(LLMTask):
     server = None  # this process's endpoint, started by the first play
     runs_model_text = True  # an agent's tools may
     cut_by = "--max-new-tokens, or the max_tokens its agent's calls ask"
+    first_reply_answers = False  # an agent's first call is no answer (no eval_acc_turn1)
 
     def __init__(self, cfg):
         if importlib.util.find_spec("openai") is None:  # the agents' client
@@ -699,7 +713,7 @@ class AgentTask(LLMTask):
         return float(completion >= 1) if isinstance(completion, float) else super().correct(prompt, completion, answer)
 
     def run_agents(self, policy, problems, n, greedy):
-        """n agent runs per problem, at once -> [(outcome, error cause or None, the run's calls)]."""
+        """n agent runs per problem, at once -> [Episode] (agent_result)."""
         import httpx
         import openai
         from serve import serve_chat
@@ -732,63 +746,37 @@ class AgentTask(LLMTask):
         return [agent_result(out, rec, t.is_alive()) for out, rec, t in zip(outcomes, records, threads)]
 
     def play(self, policy, problems, n, greedy=False):
-        """-> (Batch: every run's rows, each group's rows adjacent; per run (outcome, cause, calls); each row's run)"""
+        """-> (Batch: every run's rows, each group's rows adjacent, batch.run each row's run; [Episode] of the runs)"""
         runs, rows, of = self.run_agents(policy, problems, n, greedy), [], []
-        for e, (_, _, calls) in enumerate(runs):
-            mine = agent_rows(calls) or [(policy.prompt_ids(self.build_prompt(problems[e // n][0]), self.tools),
-                                          [], [], [])]  # no call: an empty row keeps the group whole
+        for e, run in enumerate(runs):
+            mine = agent_rows(run.calls) or [(policy.prompt_ids(self.build_prompt(problems[e // n][0]), self.tools),
+                                              [], [], [])]  # no call: an empty row keeps the group whole
             rows += mine
             of += [e] * len(mine)
         prompts, tails, masks, logps = map(list, zip(*rows))
         cut = [bool(t) and not policy.ended(t) and of[r + 1:r + 2] != [of[r]] for r, t in enumerate(tails)]
         batch = policy.to_batch(prompts, tails, masks, logps if self.cfg.record_sampler else None, cut,
                                 group=[e // n for e in of], run=of)
-        return batch, runs, of
+        return batch, runs
 
-    def rollout(self, policy, step):
-        problems, G, t = self.train_problems(step)[rank()::world()], self.cfg.group_size, time.time()
-        batch, runs, of = self.play(policy, problems, G)
-        gen_s, ends, d = time.time() - t, reply_ends(batch.mask), self.cfg.turn_discount
-        right, R = [], []
-        for e, (outcome, _, calls) in enumerate(runs):
-            q, a = problems[e // G]
-            right.append(self.correct(self.build_prompt(q), outcome, a))
-            sampled = sum(len(c["ids"]) for c in calls)
-            R.append(self.reward(self.build_prompt(q), outcome, a) +
-                     overlong_penalty(sampled, self.max_len, self.cfg.overlong_buffer))
-        later = [0] * len(runs)  # replies of the run after this row (rows are in order: walked backwards)
-        for r in reversed(range(len(of))):
-            e, k = of[r], int(ends[r].sum())
-            if k:  # the row's last reply carries the run's reward, discounted as the replies after it
-                to_end = len(runs[e][2]) - 1 if self.cfg.credit == "episode" else later[e]
-                batch.rewards[r, ends[r].nonzero()[-1]] = R[e] * d**to_end
-            later[e] += k
-        batch.stats = {"accuracy": sum(right) / len(runs), "gen_s": gen_s, "rows_per_run": len(of) / len(runs),
-                       "gen_tok_s": batch.mask.sum().item() / gen_s, **self.agent_stats(runs)}
-        return batch
+    def episode_rewards(self, question, answer, episode):
+        """The run's reward, on its last reply (place_rewards)."""
+        return [self.reward(self.build_prompt(question), episode.answer, answer)]
 
-    def agent_stats(self, runs):
-        causes = collections.Counter(cause for _, cause, _ in runs if cause)
+    def episode_stats(self, episodes):
+        n, causes = len(episodes), collections.Counter(ep.error for ep in episodes if ep.error)
         ignored, self.server.chat.ignored = self.server.chat.ignored, 0
-        return {"turns": sum(len(calls) for _, _, calls in runs) / len(runs), "agent_errors": sum(causes.values()),
-                **{f"agent_errors_{k}": v for k, v in causes.items()}, "agent_sampling_ignored": ignored}
+        return {"turns": sum(len(ep.calls) for ep in episodes) / n, "agent_errors": sum(causes.values()),
+                **{f"agent_errors_{k}": causes[k] for k in AGENT_ERRORS}, "agent_sampling_ignored": ignored,
+                "rows_per_run": sum(len(agent_rows(ep.calls)) or 1 for ep in episodes) / n}
 
-    def evaluate(self, policy, step):
-        """Greedy held-out accuracy of the agents' answers (eval_acc); pass@k; samples.jsonl."""
-        mine = self.eval_set[rank()::world()]
-        prompts = [self.build_prompt(q) for q, _ in mine]
-        runs = self.play(policy, mine, 1, greedy=True)[1]
-        out = {"eval_acc": self.solved_fraction(mine, prompts, [o for o, _, _ in runs], 1),
-               **{f"eval_{k}": v for k, v in self.agent_stats(runs).items()}}
-        if self.cfg.eval_k:
-            outcomes = [o for o, _, _ in self.play(policy, mine, self.cfg.eval_k)[1]]
-            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, outcomes, self.cfg.eval_k)
-        save_samples(self.cfg, step, mine, [[{"role": "assistant", "content": str(o)}] for o, _, _ in runs])
-        return out
+
+AGENT_ERRORS = ("timeout", "turns", "raised", "no_call", "answer")  # agent_result's causes
 
 
 def agent_result(outcome, record, still_running):
-    """-> (the outcome: the agent's answer, or 0.0 on an error; the error's cause or None; the run's calls)"""
+    """-> the run as an Episode: its answer (the agent's outcome, or 0.0 on an error), the error's cause (one of
+    AGENT_ERRORS) or None, the replies and calls the endpoint recorded."""
     number = isinstance(outcome, (int, float)) and not isinstance(outcome, bool) and math.isfinite(outcome)
     if still_running:
         cause = "timeout"
@@ -800,7 +788,8 @@ def agent_result(outcome, record, still_running):
         cause = "no_call"
     else:
         cause = None if isinstance(outcome, str) or number else "answer"
-    return (0.0 if cause else float(outcome) if number else outcome), cause, record["calls"]
+    answer = 0.0 if cause else float(outcome) if number else outcome
+    return Episode([c["reply"] for c in record["calls"]], answer, cause, record["calls"])
 
 
 class CalcAgent(AgentTask, Calc):
@@ -1011,6 +1000,6 @@ def task_class(name):
     return TASKS["rg:NAME" if name.startswith("rg:") else name]
 
 
-TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "countdown": Countdown, "calc": Calc,
+TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "calc": Calc,
          "calc_agent": CalcAgent, "data": DataTask, "rg:NAME": ReasoningGym,
          "jsonl": DataTask}  # jsonl: data's other name, which older configs use

@@ -68,38 +68,37 @@ def unsplit(pieces, outs, whole):
     return whole
 
 
-def ratio_is_one(cfg, batch):
-    """With one optimizer step per batch, nothing to score beforehand (ppo's critic, a KL's reference) and a batch
-    sampled by these very weights, the update's own first forward is the old policy: the ratio is exactly 1 and no
-    scoring pass runs. A batch with the sampler's logprobs (a worker's, or --old-logp sampler) is always scored
-    apart: the sampler's numbers are not the trainer's."""
+def old_logp_from(cfg, batch):
+    """Where old_logp comes from, decided once a step (the update and the logs read this name, nothing else):
+      "update"   one optimizer step per batch, nothing else to score first (ppo's critic, a KL's reference) and a batch
+                 these very weights sampled: the update's own first forward is the old policy, the ratio is exactly 1
+                 and no scoring pass runs
+      "sampler"  the sampler's own logprobs (--old-logp sampler, the teaching ablation)
+      "scored"   a no-grad pass under the weights that sampled the batch (score_old): a worker's batch always, since
+                 the sampler's numbers are not the trainer's"""
+    if cfg.old_logp == "sampler":
+        return "sampler"
     one_update = cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef
-    return one_update and batch.sampler_logp is None
+    return "update" if one_update and batch.sampler_logp is None else "scored"
 
 
-def trained_rows(batch, cfg):
-    """[N] bool: the rows whose passes can move the loss. With nothing but the policy loss in it (no KL, entropy or
-    value term), a row whose advantage is 0 on every token adds exactly 0 to loss and gradient, so neither score_old
-    nor the update runs it (the loss weights still span every row), and a minibatch with no such row on any rank
-    takes no step (Adam would move on momentum alone)."""
-    if cfg.kl_coef or cfg.ent_coef or cfg.algo == "ppo":
-        return torch.ones(len(batch.mask), dtype=torch.bool)
-    return (batch.adv != 0).any(1)
+def rows_to_run(batch, cfg):
+    """-> (learns [N] bool: the rows whose passes can move the loss; run [N] bool: the rows score_old and the update
+    run). With nothing but the policy loss in it (no KL, entropy or value term), a row whose advantage is 0 on every
+    token adds exactly 0 to loss and gradient, so it need not run. Under FSDP every row runs all the same: each
+    forward is a collective, and every rank must run as many passes."""
+    every = torch.ones(len(batch.mask), dtype=torch.bool)
+    learns = every if cfg.kl_coef or cfg.ent_coef or cfg.algo == "ppo" else (batch.adv != 0).any(1)
+    return learns, every if cfg.fsdp else learns
 
 
-def rows_run(batch, cfg):
-    """[N] bool: the rows score_old and the update run: those that train, or under FSDP every row (each forward is a
-    collective: every rank must run as many passes)."""
-    return torch.ones(len(batch.mask), dtype=torch.bool) if cfg.fsdp else trained_rows(batch, cfg)
-
-
-def score_old(policy, batch, cfg, rows=None):
+def score_old(policy, batch, cfg, old_from, rows=None):
     """No-grad pass over `rows` ([N] bool, None: every row) under the weights that sampled the batch: old_logp, the
-    old critic's values (ppo), ref_logp (KL). Rows not scored hold 0: they train nothing. --old-logp sampler (the
-    ablation) takes the sampler's logprobs for old_logp."""
-    if cfg.old_logp == "sampler" and cfg.algo != "ppo" and not cfg.kl_coef:  # the ablation, nothing else to score
+    old critic's values (ppo), ref_logp (KL). Rows not scored hold 0: they train nothing."""
+    if old_from == "sampler":
         batch.old_logp = batch.sampler_logp
-        return
+        if cfg.algo != "ppo" and not cfg.kl_coef:  # nothing else to score
+            return
     idx = torch.arange(len(batch.mask)) if rows is None else rows.nonzero()[:, 0]
     pieces = [(idx[i], mb) for i, mb in micro_batches(batch.rows(idx), cfg.micro_batch)]
     zeros = torch.zeros(batch.mask.shape)  # [N, T]
@@ -109,18 +108,29 @@ def score_old(policy, batch, cfg, rows=None):
             batch.ref_logp = unsplit(pieces, [policy.ref_logp(mb) for _, mb in pieces], zeros)  # [N, T]
         if cfg.algo == "ppo" and batch.final_obs is not None:  # a time-limit cut bootstraps from V(final_obs) (gae)
             batch.last_value = policy.value(batch.final_obs).cpu() * batch.truncated  # [N]
-    logp = unsplit(pieces, [o["logp"] for o in outs], zeros)
-    batch.old_logp = batch.sampler_logp if cfg.old_logp == "sampler" else logp
+    if old_from == "scored":
+        batch.old_logp = unsplit(pieces, [o["logp"] for o in outs], zeros)  # [N, T]
     if cfg.algo == "ppo":
         batch.values = unsplit(pieces, [o["value"] for o in outs], zeros) * batch.mask  # [N, T]
 
 
-def update(policy, opt, batch, cfg, max_len):
+def minibatch(batch, rows, cfg, max_len):
+    """Minibatch `rows` as the update runs it: the loss weights' denominators span EVERY row of it, then the rows that
+    cannot move the loss are dropped (rows_to_run). Their loss is exactly 0, so the loss is the one over all rows.
+    -> the Batch to run, or None when no row on any rank learns (no step anywhere: Adam would move on momentum)."""
+    mb = batch.rows(rows)
+    mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators, skipped rows counted
+    learns, run = rows_to_run(mb, cfg)
+    if all_reduce_sum(learns.sum()) == 0:
+        return None
+    return mb.rows(run.nonzero()[:, 0])
+
+
+def update(policy, opt, batch, cfg, max_len, old_from):
     """epochs x minibatches optimizer steps; micro-batch losses add up to the minibatch's (global denominators), so
     micro_batch never changes the gradient. Every rank takes the same passes and decisions: a non-finite loss on
     any rank skips the step on all (none leaves early: under FSDP the others would wait in backward for it)."""
     sums, losses, norms, skipped = {}, [], [], 0
-    own_old = ratio_is_one(cfg, batch)  # old_logp is this update's own first forward
     params = [p for p in policy.parameters() if p.requires_grad]
     _, g = torch.unique(batch.group, return_inverse=True)  # minibatches shuffle whole groups
     for _ in range(cfg.epochs):
@@ -128,15 +138,13 @@ def update(policy, opt, batch, cfg, max_len):
         if cfg.minibatches > 1:
             order = torch.randperm(int(g.max()) + 1)[g].argsort(stable=True)
         for rows in order.tensor_split(cfg.minibatches):  # exactly `minibatches` on every rank (chunk can give fewer)
-            mb = batch.rows(rows)
-            mb.weight = loss_weights(mb.mask, cfg, max_len)  # [n, T], global denominators
-            if all_reduce_sum(trained_rows(mb, cfg).sum()) == 0:  # nothing to learn on any rank: no step anywhere
+            mb = minibatch(batch, rows, cfg, max_len)
+            if mb is None:
                 continue
-            mb = mb.rows(rows_run(mb, cfg).nonzero()[:, 0])
             total = 0.0
             for _, micro in micro_batches(mb, cfg.micro_batch):
                 out = policy.score(micro)
-                old = out["logp"].detach() if own_old else micro.old_logp
+                old = out["logp"].detach() if old_from == "update" else micro.old_logp
                 micro = micro.to(out["logp"].device)
                 loss, stats = pg_loss(out["logp"], old, micro.adv, micro.mask, cfg, micro.weight, out["entropy"],
                                       micro.ref_logp, micro.sampler_logp)
@@ -181,7 +189,7 @@ def forward_flops(lm, batch):
     return float(2 * sum(mats.values()) * S.sum() + 4 * c.num_hidden_layers * d_attn * (S * (S + 1) / 2).sum())
 
 
-def speed(policy, batch, cfg, split, peaks, trained):
+def speed(policy, batch, cfg, split, peaks, trained, old_from):
     """Tokens/s of scoring + update (none without a step) and, for an LLM, the model FLOP utilization (MFU) of
     sampling and of training: the step's forward_flops over seconds over the device's peak (`peaks`). Training runs
     a forward and a backward per epoch over the rows that train, plus score_old's pass and the reference's."""
@@ -193,8 +201,9 @@ def speed(policy, batch, cfg, split, peaks, trained):
     seconds = split["score_s"] + split["update_s"]
     out["train_tok_s"] = batch.mask.sum().item() / seconds
     if peaks:
-        passes = 3 * cfg.epochs + (not ratio_is_one(cfg, batch)) + bool(cfg.kl_coef)
-        flops = passes * forward_flops(policy.lm, batch.rows(trained_rows(batch, cfg).nonzero()[:, 0]))
+        scored = old_from == "scored" or cfg.algo == "ppo" or bool(cfg.kl_coef)  # score_old's pass ran
+        passes = 3 * cfg.epochs + scored + bool(cfg.kl_coef)
+        flops = passes * forward_flops(policy.lm, batch.rows(rows_to_run(batch, cfg)[0].nonzero()[:, 0]))
         out["train_mfu"] = flops / seconds / peaks["train"]
     return out
 
@@ -248,7 +257,7 @@ def sampler_gap(batch, cfg, say):
     samples from another policy than the one the trainer scores."""
     if batch.sampler_logp is None:
         return {}
-    seen = batch.mask * rows_run(batch, cfg)[:, None]  # [N, T] the tokens score_old scored
+    seen = batch.mask * rows_to_run(batch, cfg)[1][:, None]  # [N, T] the tokens score_old scored
     if not seen.any():
         return {}
     log_w = (batch.old_logp - batch.sampler_logp) * seen  # [N, T]
@@ -344,8 +353,8 @@ def checkpoint(cfg, llm, policy, opt, meta):
 
 
 def opening_lines(cfg, task, policy):
-    """What a run says as it starts: an LLM's parameter sizes, and the settings under which a documented behaviour
-    does not apply (README says so too)."""
+    """What a run says as it starts, one string: an LLM's parameter sizes, and the settings under which a documented
+    behaviour does not apply (README says so too)."""
     out = []
     if task.llm:
         out.append("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
@@ -357,7 +366,7 @@ def opening_lines(cfg, task, policy):
     if cfg.old_logp == "sampler":
         out.append("note: --old-logp sampler: old_logp is the sampler's own, so logp_gap is 0 and tis_weight 1 by "
                    "construction")
-    return out
+    return "\n".join(out)
 
 
 def results_line(cfg, log, llm):
@@ -439,8 +448,7 @@ def run(cfg, task, policy, opt, start, began):
         return checkpoint(cfg, task.llm, policy, opt, {"step": step, "time_s": clock()})
 
     log = Logger(cfg.out, start, cfg.steps, cfg, BAR if task.llm else BAR[:1])
-    for line in opening_lines(cfg, task, policy):
-        log.say(line)
+    log.say(opening_lines(cfg, task, policy))
     source = AsyncSource(task, policy, cfg, log, version=start) if cfg.role == "trainer" else SyncSource(task, policy)
     peaks = mfu_peaks(cfg, policy) if task.llm else None
     done, saved, interrupted, mark = start, start if cfg.resume else None, False, rng_mark()
@@ -457,22 +465,23 @@ def run(cfg, task, policy, opt, start, began):
             batch = source.next_batch(step)
             timer("rollout_s")
             # 2 - advantage, and the old policy's numbers under the exact weights that sampled the batch
+            old_from = old_logp_from(cfg, batch)
             with source.weights(batch):
                 if cfg.algo == "ppo":  # GAE runs on the old critic's values: every row is scored first
-                    score_old(policy, batch, cfg)
+                    score_old(policy, batch, cfg, old_from)
                 batch.adv, batch.returns = ADVANTAGES[cfg.algo](batch, cfg)
-                if cfg.algo != "ppo" and not ratio_is_one(cfg, batch):  # only the rows that can move the loss
-                    score_old(policy, batch, cfg, rows_run(batch, cfg))
+                if cfg.algo != "ppo" and old_from != "update":  # only the rows that can move the loss
+                    score_old(policy, batch, cfg, old_from, rows_to_run(batch, cfg)[1])
             timer("score_s")
             with ctrl_c_waits():  # from here the step changes weights, optimizer, log: all of it, or (above) none
                 # 3 - update
-                stats = update(policy, opt, batch, cfg, task.max_len)
+                stats = update(policy, opt, batch, cfg, task.max_len, old_from)
                 timer("update_s")
                 # 4 - publish, log, save
                 source.publish(step + 1)
                 timer("publish_s")
                 done, mark = step + 1, rng_mark()
-                speeds = speed(policy, batch, cfg, timer.split, peaks, "loss" in stats)
+                speeds = speed(policy, batch, cfg, timer.split, peaks, "loss" in stats, old_from)
                 metrics = {**batch_metrics(batch, cfg, log.say), **stats}
                 log.log({**row, "time_s": clock(), **metrics, **timer.split, **speeds, **source.stats()}, done)
                 step_notes(metrics, step, cfg, task, log.say_once)

@@ -553,7 +553,7 @@ class Logger:
             os.replace(tmp_name(self.path), self.path)
 
     def say(self, msg):
-        if self.on:
+        if self.on and msg:  # (an empty message says nothing)
             tqdm.write(msg)
 
     def say_once(self, kind, msg):

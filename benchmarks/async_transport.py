@@ -79,9 +79,9 @@ def step_seconds(policy, task, cfg, n):
     for step in range(n):
         t = time.perf_counter()
         batch = task.rollout(policy, step)
-        train.score_old(policy, batch, cfg)
+        train.score_old(policy, batch, cfg, "scored")
         batch.adv, _ = train.ADVANTAGES["grpo"](batch, cfg)
-        train.update(policy, opt, batch, cfg, cfg.max_new_tokens)
+        train.update(policy, opt, batch, cfg, cfg.max_new_tokens, old_from=train.old_logp_from(cfg, batch))
         policy.publish()
         times.append(time.perf_counter() - t)
     return statistics.median(times)

@@ -36,7 +36,7 @@ def flatrl_gradient(policy, batch, cfg, max_len, autocast):
                 p.grad = None
 
     policy.autocast = autocast
-    train.update(policy, Capture(), batch, cfg, max_len)
+    train.update(policy, Capture(), batch, cfg, max_len, old_from=train.old_logp_from(cfg, batch))
     return grads
 
 

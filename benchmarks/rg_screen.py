@@ -34,8 +34,8 @@ def main(names):
         task = task_class(cfg.task)(cfg)
         policy = policy or HFPolicy(cfg)
         t, held = time.time(), task.eval_set
-        greedy = [chat[-1]["content"] for chat in task.play(policy, held, 1, greedy=True)[1]]
-        sampled = [chat[-1]["content"] for chat in task.play(policy, held, 4)[1]]
+        greedy = [ep.answer for ep in task.play(policy, held, 1, greedy=True)[1]]
+        sampled = [ep.answer for ep in task.play(policy, held, 4)[1]]
         scores = [task.score(reply, held[i // 4][1]) for i, reply in enumerate(sampled)]
         groups = [scores[i:i + 4] for i in range(0, len(scores), 4)]
         right = sum(task.score(reply, entry) == 1 for reply, (_, entry) in zip(greedy, held)) / len(held)

@@ -55,7 +55,7 @@ policy, batch = HFPolicy(cfg), Batch(**load_file(sys.argv[1]))
 opt = torch.optim.SGD([x for x in policy.parameters() if x.requires_grad], lr=0.0)
 for i in range(3):
     t = time.perf_counter()
-    train.update(policy, opt, batch, cfg, cfg.max_new_tokens)
+    train.update(policy, opt, batch, cfg, cfg.max_new_tokens, old_from=train.old_logp_from(cfg, batch))
     print(f"update {time.perf_counter() - t:.3f}", flush=True)
 """
 
@@ -116,7 +116,7 @@ def main():
         for name, c, b in (("shared", cfg, batch), ("whole", whole, today)):
             policy.cfg = c
             t = time.perf_counter()
-            train.update(policy, opt, b, c, task.max_len)
+            train.update(policy, opt, b, c, task.max_len, old_from=train.old_logp_from(c, b))
             res[name]["update"].append(time.perf_counter() - t)
             t = time.perf_counter()
             with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 from algos import ADVANTAGES, pg_loss
 from config import Config
 from model import HFPolicy
-from tasks import Calc, overlong_penalty, run_python
+from tasks import Calc, Episode, overlong_penalty, run_python
 from test_llm import llm_cfg
 from test_multiturn import Chatty, episodes
 from utils import Batch
@@ -127,7 +127,7 @@ def test_default_rewards_are_the_episode_reward_on_the_last_token(tiny_llm):
     task.play = lambda *a, **k: played.append(play(*a, **k)) or played[-1]
     torch.manual_seed(1)
     batch = task.rollout(policy, 0)
-    chats, problems = played[0][1], task.train_problems(0)
+    chats, problems = [ep.chat for ep in played[0][1]], task.train_problems(0)
     expect = torch.zeros_like(batch.rewards)
     last = batch.mask.shape[1] - 1 - batch.mask.flip(1).argmax(1)
     for i, chat in enumerate(chats):
@@ -203,7 +203,8 @@ def test_a_call_past_the_cap_is_refused_and_counted():
     chats = [[{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "calculator result: 2"},
               {"role": "assistant", "content": turns[1]}, said, {"role": "assistant", "content": "4"}],
              [{"role": "assistant", "content": "5"}]]
-    assert task.episode_stats(chats) == {"tool_calls": 1.0, "tool_use": 0.5, "tool_errors": 0.5}
+    assert task.episode_stats([Episode(c, c[-1]["content"]) for c in chats]) == {
+        "tool_calls": 1.0, "tool_use": 0.5, "tool_errors": 0.5}
     assert task.correct("q", "4", 4) == 1.0 and task.correct("q", "calculator: 4", 4) == 0.0  # a call is no answer
     empty = "<tool_call></tool_call> 4"  # an empty call is a malformed call, for the budget and for correct alike
     assert task.env_response("q", 4, [empty])["content"].startswith("error:") and task.correct("q", empty, 4) == 0.0
@@ -221,11 +222,12 @@ def test_tool_episodes_run_end_to_end(tiny_llm):
     cfg = llm_cfg(tiny_llm, task="calc", max_turns=3, max_tool_calls=2, max_new_tokens=12, batch_size=16)
     policy, task = HFPolicy(cfg), Noisy(cfg)
     torch.manual_seed(0)
-    batch, chats = task.play(policy, task.train_problems(0), 2)
+    batch, played = task.play(policy, task.train_problems(0), 2)
+    chats = [ep.chat for ep in played]
     tool = [m["content"] for c in chats for m in c if m["role"] == "tool"]
     assert tool and all(m.startswith(("calculator result:", "error:")) for m in tool)
     assert policy.env_ids("x", policy.tok.eos_token_id, "tool") == policy.env_ids("x", policy.tok.eos_token_id, "user")
-    stats = task.episode_stats(chats)
+    stats = task.episode_stats(played)
     assert stats["tool_calls"] == len(tool) / len(chats) and 0 < stats["tool_use"] <= 1
 
 

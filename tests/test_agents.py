@@ -185,12 +185,12 @@ def test_an_agents_episode_is_tasks_play_token_for_token(tiny_llm, monkeypatch):
     scripted(policy, monkeypatch, ["calculator: 12 * 3", "36"])
     tool, agent = Calc(cfg), CalcAgent(cfg)
     problems = [("What is 12 * 3?", 36), ("What is 4 * 5?", 20)]
-    expected, chats = tool.play(policy, problems, 2)
-    got, runs, of = agent.play(policy, problems, 2)
-    assert of == [0, 1, 2, 3] and [r[1] for r in runs] == [None] * 4 and len(runs[0][2]) == 2
+    expected, played = tool.play(policy, problems, 2)
+    got, runs = agent.play(policy, problems, 2)
+    assert got.run.tolist() == [0, 1, 2, 3] and [r.error for r in runs] == [None] * 4 and len(runs[0].calls) == 2
     for k in ("obs", "mask", "attn", "actions", "sampler_logp", "group", "truncated"):
         assert torch.equal(getattr(got, k), getattr(expected, k)), k
-    assert chats[0][1] == {"role": "tool", "content": "calculator result: 36"}
+    assert played[0].chat[1] == {"role": "tool", "content": "calculator result: 36"}
 
 
 def test_a_call_that_rewrites_history_starts_a_row_of_its_own():

@@ -22,7 +22,7 @@ from algos import ADVANTAGES
 from conftest import ctrl_c_during, needs_smol, same_run
 from config import Config
 from model import HFPolicy, pack, save_adapter, shared_prompts
-from tasks import (TASKS, Arith, answer_tag, countdown_correct, eval_expression, format_reward,
+from tasks import (TASKS, Arith, answer_tag, eval_expression, format_reward,
                    numeric_match, overlong_penalty)
 from utils import Batch, fast_bf16, unshard
 
@@ -155,7 +155,7 @@ def flat(policy):  # every parameter in one vector, gathered whole under FSDP
 
 def updated(policy, batch, cfg):
     p = copy.deepcopy(policy)
-    train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, cfg.max_new_tokens)
+    train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, cfg.max_new_tokens, old_from=train.old_logp_from(cfg, batch))
     return flat(p)
 
 
@@ -188,11 +188,12 @@ def test_zero_advantage_skip_is_exact(tiny_llm, monkeypatch):
         score = p.score
         p.score = lambda b: rows.append(len(b.mask)) or score(b)
         if not skip:  # every row trains
-            monkeypatch.setattr(train, "trained_rows", lambda b, cfg: torch.ones(len(b.mask), dtype=torch.bool))
-        train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, 8)
+            every = torch.ones(len(batch.mask), dtype=torch.bool)
+            monkeypatch.setattr(train, "rows_to_run", lambda b, cfg: (every, every))
+        train.update(p, torch.optim.SGD([x for x in p.parameters() if x.requires_grad], lr=1.0), batch, cfg, 8, old_from=train.old_logp_from(cfg, batch))
         return torch.cat([x.detach().flatten() for x in p.params().values()]), sum(rows)
 
-    assert train.trained_rows(batch, cfg).tolist() == [True] * 4 + [False] * 4
+    assert train.rows_to_run(batch, cfg)[0].tolist() == [True] * 4 + [False] * 4
     (skipped, n_skip), (full, n_full) = run(True), run(False)
     assert (n_skip, n_full) == (4, 8)  # the two zero-variance groups never reach the model
     assert not torch.equal(full, torch.cat([x.detach().flatten() for x in policy.params().values()]))
@@ -207,23 +208,23 @@ def test_score_old_scores_only_the_rows_that_train_and_logp_gap_is_over_them(tin
     batch.rewards = torch.zeros_like(batch.mask)
     batch.rewards[0, 0] = 1.0  # group 0 varies; groups 1-7 train nothing
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
-    trained = train.trained_rows(batch, cfg)
-    assert trained.tolist() == [True] * 2 + [False] * 14 and not train.ratio_is_one(cfg, batch)
+    trained = train.rows_to_run(batch, cfg)[0]
+    assert trained.tolist() == [True] * 2 + [False] * 14 and train.old_logp_from(cfg, batch) == "scored"
     b, seen, score = copy.deepcopy(batch), [], policy.score
     monkeypatch.setattr(policy, "score", lambda mb, **kw: seen.append((len(mb.mask), kw)) or score(mb, **kw))
-    train.score_old(policy, b, cfg, trained)
+    train.score_old(policy, b, cfg, "scored", trained)
     monkeypatch.setattr(policy, "score", score)
     assert sum(n for n, _ in seen) == 2 and all(kw == {"entropy": False} for _, kw in seen)  # no entropy thrown away
     assert (b.old_logp[2:] == 0).all() and (b.old_logp[:2] * b.mask[:2]).abs().sum() > 0  # group 0 alone
     gap = ((b.old_logp[:2] + 1).abs() * b.mask[:2]).sum() / b.mask[:2].sum()
     assert train.batch_metrics(b, cfg, print)["logp_gap"] == pytest.approx(gap.item(), rel=1e-6)
     every = copy.deepcopy(batch)
-    train.score_old(policy, every, cfg)  # every row
+    train.score_old(policy, every, cfg, "scored")  # every row
     assert torch.equal(every.old_logp[:2], b.old_logp[:2])
     assert torch.equal(updated(policy, b, cfg), updated(policy, every, cfg))  # unscored rows never reach the update
     tied = copy.deepcopy(batch)
     tied.adv = torch.zeros_like(tied.mask)  # every group tied: nothing scored, no gap to report (not a gap of 0)
-    train.score_old(policy, tied, cfg, train.trained_rows(tied, cfg))
+    train.score_old(policy, tied, cfg, "scored", train.rows_to_run(tied, cfg)[0])
     assert "logp_gap" not in train.batch_metrics(tied, cfg, print)
 
 
@@ -233,7 +234,7 @@ def test_micro_batch_equals_one_shot(tiny_llm, algo, agg):
     cfg = llm_cfg(tiny_llm, algo=algo, loss_agg=agg, gamma=1.0, lam=1.0)
     policy = HFPolicy(cfg)
     _, batch = sampled(policy, cfg)
-    train.score_old(policy, batch, cfg)
+    train.score_old(policy, batch, cfg, "scored")
     batch.adv, batch.returns = ADVANTAGES[algo](batch, cfg)
     one = updated(policy, batch, cfg)
     micro = updated(policy, batch, dataclasses.replace(cfg, micro_batch=3))
@@ -252,7 +253,7 @@ def test_length_grouped_micro_batches_score_the_same_and_compute_less(tiny_llm):
     with torch.no_grad():
         whole = policy.score(batch)["logp"]
         batch.rewards[:, 0] = 1.0  # every row trains under reinforce: score_old scores them all
-        train.score_old(policy, batch, dataclasses.replace(cfg, epochs=2, algo="reinforce"))  # in the two pieces
+        train.score_old(policy, batch, dataclasses.replace(cfg, epochs=2, algo="reinforce"), "scored")  # in the two pieces
     assert torch.allclose(batch.old_logp * batch.mask, whole * batch.mask, atol=1e-5, rtol=0)  # in row order
 
 
@@ -284,12 +285,13 @@ def test_mfu_is_the_steps_flops_over_seconds_over_peak(tiny_llm, tmp_path):
     batch = policy.to_batch([[5, 6], [5, 6]], [[10, 11, 1], [12, 1]], n=2)
     batch.adv, batch.stats = torch.tensor([[1.0, 1, 1], [-1, -1, 0]]), {"gen_s": 0.25}
     flops, peaks = train.forward_flops(policy.lm, batch), {"gen": 2e12, "train": 4e12}
-    out = train.speed(policy, batch, cfg, {"score_s": 0.5, "update_s": 1.0}, peaks, trained=True)
+    out = train.speed(policy, batch, cfg, {"score_s": 0.5, "update_s": 1.0}, peaks, True, "update")
     # one update per batch, sampled here: the update's forward and backward alone (3 passes)
     assert out == {"gen_mfu": flops / 0.25 / 2e12, "train_tok_s": 5 / 1.5, "train_mfu": 3 * flops / 1.5 / 4e12}
-    two = train.speed(policy, batch, dataclasses.replace(cfg, epochs=2), {"score_s": 0.5, "update_s": 1.0}, peaks, True)
+    two = train.speed(policy, batch, dataclasses.replace(cfg, epochs=2), {"score_s": 0.5, "update_s": 1.0}, peaks, True,
+                      "scored")
     assert two["train_mfu"] == (2 * 3 + 1) * flops / 1.5 / 4e12  # two epochs and score_old's pass
-    assert train.speed(policy, batch, cfg, {"score_s": 0.5, "update_s": 1.0}, peaks, trained=False) == {
+    assert train.speed(policy, batch, cfg, {"score_s": 0.5, "update_s": 1.0}, peaks, False, "update") == {
         "gen_mfu": flops / 0.25 / 2e12}  # a step that took no optimizer step: no training figures
     from utils import peak_flops
     rng = torch.get_rng_state()
@@ -415,7 +417,7 @@ def test_lora_adapter_round_trip(tiny_llm, tmp_path):
     _, batch = sampled(policy, cfg)
     batch.rewards = torch.rand_like(batch.mask) * batch.mask
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
-    train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch, cfg, 8)
+    train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch, cfg, 8, old_from=train.old_logp_from(cfg, batch))
     save_adapter(policy, str(tmp_path / "adapter"), policy.params())
     loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")  # as README shows: no flatrl needed
     with torch.no_grad():
@@ -489,7 +491,7 @@ def test_llm_ctrl_c_then_resume_equals_a_run_never_stopped(tiny_llm, tmp_path, d
     same_run(tmp_path / "whole", tmp_path / "cut")
 
 
-# --- reward helpers and the countdown evaluator ----------------------------------------------------
+# --- reward helpers and the exact expression evaluator ----------------------------------------------------
 
 def test_reward_helpers():
     assert answer_tag("so <answer> 12 </answer> or <answer>13</answer>") == "13"
@@ -520,20 +522,9 @@ def test_reward_helpers():
     ("(" * 150 + "1" + ")" * 150, [1], None),  # over 200 characters
     ("((1 + 2)", [1, 2], None),             # unbalanced
 ])
-def test_countdown_evaluator(expr, numbers, value):
+def test_exact_expression_evaluator(expr, numbers, value):
     got = eval_expression(expr, numbers)
     assert (got is None) if value is None else got == value
-
-
-def test_countdown_instances_and_reward():
-    from tasks import Countdown
-    task = Countdown(Config(task="countdown", n_eval=8))
-    for q, (nums, target) in task.eval_set:
-        assert 3 <= len(nums) <= 4 and isinstance(target, int) and target >= 0 and str(target) in q
-    q, (nums, target) = task.eval_set[0]
-    a, b, c = nums[:3]
-    assert countdown_correct(q, "<answer>1 + 1</answer>", ([1, 1], 2)) == 1.0
-    assert task.reward(q, "<answer>1 + 1</answer>", ([1, 1], 3)) == pytest.approx(0.1)  # format only
 
 
 def test_held_out_prompts_never_train():
@@ -617,7 +608,7 @@ def test_reference_policy_for_kl(tiny_llm, lora_r):
     ref = policy.ref_logp(batch)
     assert not torch.allclose(ref, moved, atol=1e-3)  # the reference stays the base model
     assert (policy.ref is None) == (lora_r > 0)  # LoRA: the adapter disabled, no second copy of the model
-    train.score_old(policy, batch, cfg)
+    train.score_old(policy, batch, cfg, "scored")
     assert torch.equal(batch.ref_logp, ref)
 
 

@@ -30,7 +30,8 @@ def episodes(tiny_llm, task=Chatty, seed=0, **kw):
     cfg = llm_cfg(tiny_llm, **{"max_turns": 3, "max_new_tokens": 24, "batch_size": 16, **kw})
     policy, task = HFPolicy(cfg), task(cfg)
     torch.manual_seed(seed)
-    return policy, task, *task.play(policy, task.train_problems(0), cfg.group_size)
+    batch, played = task.play(policy, task.train_problems(0), cfg.group_size)
+    return policy, task, batch, [ep.chat for ep in played]
 
 
 def test_an_episode_is_one_sequence_of_replies_and_environment_tokens(tiny_llm):
@@ -202,5 +203,5 @@ def test_readme_multi_turn_example(tiny_llm, monkeypatch):
         "Reply with just a number." and task.env_response(q, secret, [str(secret)]) is None
     assert task.episode_reward(q, secret, ["1", "2", str(secret)]) == pytest.approx(1 / 3)
     torch.manual_seed(0)
-    batch, chats = task.play(HFPolicy(task.cfg), task.train_problems(0), 2)  # the tiny model rarely guesses a number
-    assert any(m["content"] == "Reply with just a number." for c in chats for m in c)
+    batch, played = task.play(HFPolicy(task.cfg), task.train_problems(0), 2)  # the tiny model rarely guesses a number
+    assert any(m["content"] == "Reply with just a number." for ep in played for m in ep.chat)

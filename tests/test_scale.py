@@ -38,7 +38,7 @@ def _fsdp_rank(r, port, cfg, batch_file, out_file):
     mine = batch.rows(torch.nonzero(batch.group % 2 == r)[:, 0])  # this rank's prompt groups
     mine.adv, _ = ADVANTAGES[cfg.algo](mine, cfg)
     stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), mine, cfg,
-                         cfg.max_new_tokens)
+                         cfg.max_new_tokens, old_from=train.old_logp_from(cfg, mine))
     params = flat(policy)  # gathered whole on every rank
     if r == 0:
         save_file({"params": params, "bytes": torch.tensor(local + whole, dtype=torch.float64),
@@ -55,7 +55,7 @@ def test_fsdp_two_ranks_equal_one_process(tiny_llm, tmp_path, lora_r):
     unshared = dataclasses.replace(one, group_size=1)  # ... the one process runs every row whole
     policy.cfg = unshared
     stats = train.update(policy, torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0), batch,
-                         unshared, one.max_new_tokens)
+                         unshared, one.max_new_tokens, old_from=train.old_logp_from(unshared, batch))
     mp.spawn(_fsdp_rank, args=(free_port(), cfg, str(tmp_path / "batch.safetensors"), str(tmp_path / "out.safetensors")),
              nprocs=2)
     out = load_file(tmp_path / "out.safetensors")
@@ -104,9 +104,9 @@ def _async_rank(r, port, http_port, out_file):
         source.hub.queue.append(Batch(**load_file(os.path.join(os.path.dirname(out_file), "batch.safetensors"))))
     batch = source.next_batch(0)  # rank 0 broadcasts it; each rank keeps its share
     with source.weights(batch):
-        train.score_old(policy, batch, cfg)
+        train.score_old(policy, batch, cfg, "scored")
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
-    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg, 500)
+    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg, 500, old_from=train.old_logp_from(cfg, batch))
     if r == 0:
         save_file({"params": flat(policy), "rows": torch.tensor(len(batch.mask))}, out_file)
     source.close()
@@ -120,9 +120,9 @@ def test_a_pushed_batch_trains_two_ranks_like_one_process(tmp_path):
     policy = MLPPolicy(task.obs_dim, task.n_actions, 16)
     batch = task.rollout(policy, 0)
     save_file({k: v.contiguous() for k, v in batch.tensors().items()}, tmp_path / "batch.safetensors")
-    train.score_old(policy, batch, cfg)
+    train.score_old(policy, batch, cfg, "scored")
     batch.adv, _ = ADVANTAGES["grpo"](batch, cfg)
-    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg, 500)
+    train.update(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, cfg, 500, old_from=train.old_logp_from(cfg, batch))
     mp.spawn(_async_rank, args=(free_port(), free_port(), str(tmp_path / "out.safetensors")), nprocs=2)
     out = load_file(tmp_path / "out.safetensors")
     assert out["rows"].item() == 4  # rank 0 trained on half of the rows ...
@@ -348,7 +348,7 @@ def two_updates(policy, batch, cfg):
     opt = train.optimizer(policy, cfg)  # train.py's
     for scale in (1.0, 0.0):
         batch.adv = ADVANTAGES["grpo"](batch, cfg)[0] * scale
-        train.update(policy, opt, batch, cfg, cfg.max_new_tokens)
+        train.update(policy, opt, batch, cfg, cfg.max_new_tokens, old_from=train.old_logp_from(cfg, batch))
     return flat(policy)
 
 
@@ -376,8 +376,8 @@ def optimizer_steps(batch, cfg):
     opt, calls = torch.optim.SGD(policy.parameters(), lr=0.1), []
     step = opt.step
     opt.step = lambda: calls.append(1) or step()
-    train.score_old(policy, batch, cfg)  # as the loop does: two epochs need the old logprobs
-    train.update(policy, opt, batch, cfg, 500)
+    train.score_old(policy, batch, cfg, "scored")  # as the loop does: two epochs need the old logprobs
+    train.update(policy, opt, batch, cfg, 500, old_from=train.old_logp_from(cfg, batch))
     return len(calls)
 
 
@@ -404,7 +404,7 @@ def _gpu_group_rank(r, port, backend, out_file):
         batch = GymTask(cfg).rollout(policy, step=0)  # this rank's 2 episodes
         batch.adv = ADVANTAGES["reinforce"](batch, cfg)[0]  # whitened over both ranks
         ADVANTAGES["reinforce_baseline"](batch, cfg)
-        train.update(policy, train.optimizer(policy, cfg), batch, cfg, max_len=500)
+        train.update(policy, train.optimizer(policy, cfg), batch, cfg, max_len=500, old_from=train.old_logp_from(cfg, batch))
         task = tasks.Arith(Config(task="arith", n_eval=4))
         task.solved_fraction(task.eval_set[:2], ["q", "q"], ["1", "2"], 1)
         utils.broadcast_bytes(b"rank 0's" if r == 0 else None)

@@ -357,7 +357,7 @@ def test_old_logp_is_recomputed_under_the_sampling_weights(source):
     now = {k: v.clone() for k, v in source.policy.params().items()}
     cfg = Config(batch_size=4, group_size=2)
     with source.weights(batch):
-        train.score_old(source.policy, batch, cfg)
+        train.score_old(source.policy, batch, cfg, "scored")
     fresh = MLPPolicy(source.task.obs_dim, source.task.n_actions, 16)
     fresh.load_state_dict(sampled_by)
     with torch.no_grad():

@@ -91,10 +91,10 @@ def test_refusals_leave_the_run_folder_byte_identical(tmp_path, tiny_llm):
 def test_ratio_is_one_on_the_first_epoch():
     cfg = Config(algo="ppo", epochs=3, minibatches=2)
     _, policy, b = rollout(cfg)
-    train.score_old(policy, b, cfg)
+    train.score_old(policy, b, cfg, "scored")
     b.adv, b.returns = ADVANTAGES["ppo"](b, cfg)
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # no movement: every pass sees the old policy
-    stats = train.update(policy, opt, b, cfg, max_len=500)
+    stats = train.update(policy, opt, b, cfg, max_len=500, old_from=train.old_logp_from(cfg, b))
     assert stats["trained_ratio"] == pytest.approx(1.0, abs=1e-6)
     assert stats["trained_ratio_max"] == pytest.approx(1.0, abs=1e-6)
     assert stats["trained_approx_kl"] == pytest.approx(0.0, abs=1e-7) and stats["trained_clipfrac"] == 0
@@ -106,13 +106,13 @@ def test_micro_batching_never_changes_the_gradient(algo, agg):
     cfg = Config(algo=algo, loss_agg=agg, batch_size=8, group_size=2 if algo in ("grpo", "rloo") else 1,
                  ent_coef=0.01)
     _, policy, b = rollout(cfg)
-    train.score_old(policy, b, cfg)
+    train.score_old(policy, b, cfg, "scored")
     b.adv, b.returns = ADVANTAGES[algo](b, cfg)
     results = []
     for micro in (0, 3):
         p = copy.deepcopy(policy)
         c = Config(**{**cfg.__dict__, "micro_batch": micro})
-        train.update(p, torch.optim.SGD(p.parameters(), lr=1.0), b, c, max_len=500)
+        train.update(p, torch.optim.SGD(p.parameters(), lr=1.0), b, c, max_len=500, old_from=train.old_logp_from(c, b))
         results.append(torch.cat([x.flatten() for x in p.parameters()]))
     assert not torch.equal(results[0], torch.cat([x.flatten() for x in policy.parameters()]))
     assert torch.allclose(results[0], results[1], atol=1e-6)
@@ -122,7 +122,7 @@ def test_ppo_bootstraps_episodes_cut_by_the_time_limit():
     cfg = Config(env="Acrobot-v1", algo="ppo", batch_size=3)  # a random policy rarely swings up in 500 steps
     _, policy, b = rollout(cfg)
     assert b.truncated.any() and b.final_obs.shape == (3, 6)
-    train.score_old(policy, b, cfg)
+    train.score_old(policy, b, cfg, "scored")
     with torch.no_grad():
         expect = policy.value(b.final_obs) * b.truncated  # V(s_T) where cut, 0 where the episode ended
     assert torch.equal(b.last_value, expect) and (b.last_value != 0).any()
@@ -138,7 +138,7 @@ def test_nonfinite_loss_skips_the_update():
     _, policy, b = rollout(cfg)
     b.adv = torch.full_like(b.mask, float("nan"))
     before = copy.deepcopy(policy.state_dict())
-    stats = train.update(policy, torch.optim.AdamW(policy.parameters(), lr=0.1), b, cfg, max_len=500)
+    stats = train.update(policy, torch.optim.AdamW(policy.parameters(), lr=0.1), b, cfg, max_len=500, old_from=train.old_logp_from(cfg, b))
     assert stats["nonfinite"] == 1
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
@@ -160,7 +160,7 @@ def test_flatrl_own_episode_cap_is_a_time_limit_cut():
     cfg = Config(env="Endless-v0", algo="ppo", batch_size=2)
     _, policy, b = rollout(cfg)
     assert b.mask.sum(1).tolist() == [1000, 1000] and b.truncated.all()  # cut, not ended
-    train.score_old(policy, b, cfg)
+    train.score_old(policy, b, cfg, "scored")
     assert (b.last_value != 0).all()  # so ppo bootstraps from V(s_1000)
 
 
@@ -271,7 +271,7 @@ def test_the_updates_token_metrics_cover_the_rows_it_trained_on():
     with torch.no_grad():
         out = policy.score(b.rows(torch.arange(2)))
     trained = (out["entropy"] * b.mask[:2]).sum() / b.mask[:2].sum()
-    stats = train.update(policy, torch.optim.SGD(policy.parameters(), lr=0.0), b, cfg, max_len=500)
+    stats = train.update(policy, torch.optim.SGD(policy.parameters(), lr=0.0), b, cfg, max_len=500, old_from=train.old_logp_from(cfg, b))
     assert "entropy" not in stats and stats["trained_entropy"] == pytest.approx(trained.item(), rel=1e-5)
     everyone = (policy.score(b)["entropy"] * b.mask).sum() / b.mask.sum()
     assert abs(everyone.item() - trained.item()) > 1e-4  # the rows skipped would have moved it
@@ -282,7 +282,7 @@ def test_a_step_that_trains_nothing_leaves_blanks(tmp_path):
     _, policy, b = rollout(cfg)
     b.adv = torch.zeros_like(b.mask)  # every group tied
     before = copy.deepcopy(policy.state_dict())
-    stats = train.update(policy, torch.optim.AdamW(policy.parameters(), lr=0.1), b, cfg, max_len=500)
+    stats = train.update(policy, torch.optim.AdamW(policy.parameters(), lr=0.1), b, cfg, max_len=500, old_from=train.old_logp_from(cfg, b))
     assert "loss" not in stats and "grad_norm" not in stats and stats["nonfinite"] == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
     log = Logger(str(tmp_path), 0, 2)

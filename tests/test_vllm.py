@@ -83,12 +83,13 @@ def test_old_logp_ablation_trains_against_the_samplers_numbers(tiny_llm):
         torch.manual_seed(0)
         batch = Arith(cfg).rollout(policy, 0)
         if mode == "trainer":  # sync, one update: nothing recorded, old_logp is the update's own forward
-            assert batch.sampler_logp is None and train.ratio_is_one(cfg, batch)
+            assert batch.sampler_logp is None and train.old_logp_from(cfg, batch) == "update"
         else:  # the bf16 sampler's logprobs stand in for the fp32 trainer's: the ratio is no longer 1
-            train.score_old(policy, batch, cfg)
-            assert batch.old_logp is batch.sampler_logp and not train.ratio_is_one(cfg, batch)
+            assert train.old_logp_from(cfg, batch) == "sampler"
+            train.score_old(policy, batch, cfg, "sampler")
+            assert batch.old_logp is batch.sampler_logp
             batch.adv = torch.ones_like(batch.mask) * batch.mask
-            stats = train.update(policy, torch.optim.SGD(list(policy.params().values()), lr=0.0), batch, cfg, 8)
+            stats = train.update(policy, torch.optim.SGD(list(policy.params().values()), lr=0.0), batch, cfg, 8, "sampler")
             assert stats["trained_ratio_max"] > 1.0 and stats["trained_ratio"] != pytest.approx(1.0, abs=1e-6)
 
 
@@ -120,7 +121,7 @@ def test_logp_gap_flags_a_worker_whose_sync_did_not_take(tiny_llm, tmp_path):
     for batch in (good, stale):  # both claim version 1: scored under version 1's weights
         batch.version, batch.rewards[:, 0] = 1, torch.tensor([1.0, 0.0, 1.0, 0.0])
         batch.adv, _ = train.ADVANTAGES["grpo"](batch, cfg)
-        train.score_old(policy, batch, cfg, train.rows_run(batch, cfg))
+        train.score_old(policy, batch, cfg, "scored", train.rows_to_run(batch, cfg)[1])
         gaps.append(train.batch_metrics(batch, cfg, said.append)["logp_gap"])
     assert gaps[0] < 1e-4 < cfg.gap_tol < gaps[1]
     assert len(said) == 1 and "logp_gap" in said[0] and "version 1 does not sample what the trainer scores" in said[0]
@@ -226,7 +227,8 @@ class TestVLLM:
         monkeypatch.setattr(vpolicy.cfg, "role", "rollout")  # record the sampler's logprobs, as a worker does
         task = Doubting(dataclasses.replace(vpolicy.cfg, max_turns=3, max_new_tokens=32))
         torch.manual_seed(0)
-        batch, chats = task.play(vpolicy, task.train_problems(0), 2)
+        batch, played = task.play(vpolicy, task.train_problems(0), 2)
+        chats = [ep.chat for ep in played]
         env = (batch.mask == 0) & batch.tokens
         assert env.any() and max(len(c) for c in chats) >= 3  # reply, message, reply, ...
         m = batch.mask > 0
@@ -261,7 +263,7 @@ class TestVLLM:
             torch.manual_seed(step)
             batch = task.rollout(vpolicy, step)
             batch.adv = torch.randn(len(batch.mask), 1) * batch.mask
-            train.update(vpolicy, opt, batch, cfg, cfg.max_new_tokens)
+            train.update(vpolicy, opt, batch, cfg, cfg.max_new_tokens, old_from=train.old_logp_from(cfg, batch))
             vpolicy.publish()
         assert check_parity(vpolicy, PROMPTS, cfg, print)  # tolerance 1e-3: fp32 on both sides
         with torch.no_grad():
