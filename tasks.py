@@ -192,27 +192,30 @@ def place_rewards(batch, rewards, penalties, cfg):
     an agent run can be several). rewards[e]: those of episode e's last len(rewards[e]) replies (replies before them
     earn 0). --credit turn: a reply its own, and a row's last reply also the rewards of the replies in its episode's
     later rows, discounted by turn_discount per reply (each row trains alone); --credit episode: the episode's return
-    sum_k d^k r_k on each row's last reply, for every token to share. Then penalties[e] (overlong) on its last token."""
+    sum_k d^k r_k plus penalties[e] (overlong, undiscounted) on each row's last reply, for every token to share; turn:
+    penalties[e] is added to the last reply's reward first."""
     ends, d = reply_ends(batch.mask), cfg.turn_discount  # [N, T]
     count = ends.sum(1)  # [N] replies in each row
     total = torch.zeros(len(rewards), dtype=torch.long).index_add(0, batch.run, count)  # [episodes] replies in each
     r = []  # episode -> a reward for each of its replies
     for k, x in zip(total.tolist(), rewards):
         r.append(([0.0] * k + list(x))[len(x):] if len(x) <= k else list(x)[len(x) - k:])
+    if cfg.credit == "turn":  # the penalty joins the last reply's reward: later rows' discount covers it too
+        for x, pen in zip(r, penalties):
+            if x:
+                x[-1] += pen
     placed = [0] * len(rewards)  # replies of each episode placed so far (rows are in order)
     for row, e in enumerate(batch.run.tolist()):
         cols, k = ends[row].nonzero()[:, 0], int(count[row])
         if not k:  # a row with nothing sampled (an agent that never called)
             continue
         if cfg.credit == "episode":
-            batch.rewards[row, cols[-1]] = sum(x * d**j for j, x in enumerate(r[e]))
+            batch.rewards[row, cols[-1]] = sum(x * d**j for j, x in enumerate(r[e])) + penalties[e]
         else:
             mine, later = r[e][placed[e]:placed[e] + k], r[e][placed[e] + k:]
             mine[-1] += sum(x * d**(j + 1) for j, x in enumerate(later))  # the episode's later rows, discounted
             batch.rewards[row, cols] = torch.tensor(mine)
         placed[e] += k
-        if placed[e] == total[e]:
-            batch.rewards[row, cols[-1]] += penalties[e]
 
 
 def distinct_problems(problem, seed, want, exclude=frozenset()):

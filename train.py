@@ -76,7 +76,7 @@ def old_logp_from(cfg, batch):
       "sampler"  the sampler's own logprobs (--old-logp sampler, the teaching ablation)
       "scored"   a no-grad pass under the weights that sampled the batch (score_old): a worker's batch always, since
                  the sampler's numbers are not the trainer's"""
-    if cfg.old_logp == "sampler":
+    if cfg.old_logp == "sampler" and batch.sampler_logp is not None:
         return "sampler"
     one_update = cfg.epochs * cfg.minibatches == 1 and cfg.algo != "ppo" and not cfg.kl_coef
     return "update" if one_update and batch.sampler_logp is None else "scored"

@@ -20,7 +20,9 @@ import train
 from conftest import SMOL, needs_smol
 from model import HFPolicy, parse_tool_calls, render, tool_schema
 from serve import serve_chat
-from tasks import AgentTask, Calc, CalcAgent, agent_rows, calculator
+from config import Config
+from tasks import AgentTask, Calc, CalcAgent, agent_rows, calculator, place_rewards
+from utils import Batch
 from test_llm import llm_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,6 +193,20 @@ def test_an_agents_episode_is_tasks_play_token_for_token(tiny_llm, monkeypatch):
     for k in ("obs", "mask", "attn", "actions", "sampler_logp", "group", "truncated"):
         assert torch.equal(getattr(got, k), getattr(expected, k)), k
     assert played[0].chat[1] == {"role": "tool", "content": "calculator result: 36"}
+
+
+def test_a_run_in_two_rows_gets_its_reward_and_penalty_on_both():
+    """Run 0: two rows of one reply each (reward 1, overlong penalty -.25); run 1: one row (reward .5). Discount .5.
+    Turn credit: run 0's replies earn [0, 1 - .25]: row 0's reply carries the later row's .75 x .5 = .375, row 1's
+    .75. Episode credit: the return 0 + .5 x 1 = .5, plus the penalty, .25, on both rows' last replies."""
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1]])
+    for credit, expect in (("turn", [[0, .375, 0], [.75, 0, 0], [0, 0, .5]]),
+                           ("episode", [[0, .25, 0], [.25, 0, 0], [0, 0, .5]])):
+        batch = Batch(obs=torch.zeros(3, 6, dtype=torch.long), actions=torch.zeros(3, 3, dtype=torch.long), mask=mask,
+                      rewards=torch.zeros(3, 3), group=torch.zeros(3, dtype=torch.long),
+                      truncated=torch.zeros(3, dtype=torch.bool), run=torch.tensor([0, 0, 1]))
+        place_rewards(batch, [[1.0], [0.5]], [-0.25, 0.0], Config(credit=credit, turn_discount=0.5))
+        assert batch.rewards.tolist() == expect, credit
 
 
 def test_a_call_that_rewrites_history_starts_a_row_of_its_own():
