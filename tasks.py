@@ -197,9 +197,7 @@ def place_rewards(batch, rewards, penalties, cfg):
     ends, d = reply_ends(batch.mask), cfg.turn_discount  # [N, T]
     count = ends.sum(1)  # [N] replies in each row
     total = torch.zeros(len(rewards), dtype=torch.long).index_add(0, batch.run, count)  # [episodes] replies in each
-    r = []  # episode -> a reward for each of its replies
-    for k, x in zip(total.tolist(), rewards):
-        r.append(([0.0] * k + list(x))[len(x):] if len(x) <= k else list(x)[len(x) - k:])
+    r = [([0.0] * k + list(x))[-k:] if k else [] for k, x in zip(total.tolist(), rewards)]  # a reward per reply
     if cfg.credit == "turn":  # the penalty joins the last reply's reward: later rows' discount covers it too
         for x, pen in zip(r, penalties):
             if x:
