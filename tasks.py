@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import json
@@ -239,6 +240,72 @@ def check_training_room(task):
                          f"after the {task.cfg.n_eval} held out, fewer than a step's {want} prompts: lower --n-eval")
 
 
+def answer_text(answer):
+    """A problem's answer as text: a reasoning-gym entry's answer, not its metadata."""
+    return str(answer["answer"] if isinstance(answer, dict) and "answer" in answer else answer)
+
+
+def checks_form(task):
+    """Does the task's well_formed speak for its correct? Defined with it or below it: a fork with a correct() of its
+    own and the default well_formed (numbers) logs no well_formed share."""
+    def defined_in(name):
+        return next(c for c in type(task).__mro__ if name in vars(c))
+    return issubclass(defined_in("well_formed"), defined_in("correct"))
+
+
+def format_metrics(task, formed, right_formed, n, held_out=False):
+    """The share of n replies that are well-formed and the accuracy among those (not when none is); held out
+    (eval_), the best constant answer's accuracy too, where there is one."""
+    prefix, out = "eval_" if held_out else "", {}
+    if checks_form(task):
+        out[f"{prefix}well_formed"] = formed / n
+        if formed:
+            out[f"{prefix}acc_well_formed"] = right_formed / formed
+    if held_out and task.constant:
+        out["eval_best_constant"] = task.constant[1]
+    return out
+
+
+def graded(task, problems, episodes, n):
+    """-> [correct, well-formed, correct and well-formed, all]: sums over episodes played n per problem. An agent run
+    that ended in an error is not well-formed. A right answer in another form (a reply that goes on after it) counts
+    in eval_acc, not among the well-formed: the accuracy among well-formed replies is theirs alone."""
+    right = formed = right_formed = 0.0
+    for e, ep in enumerate(episodes):
+        question, answer = problems[e // n]
+        prompt = task.build_prompt(question)
+        hit = float(task.correct(prompt, ep.answer, answer))
+        form = float(not ep.error and bool(task.well_formed(prompt, ep.answer, answer)))
+        right, formed, right_formed = right + hit, formed + form, right_formed + hit * form
+    return [right, formed, right_formed, float(len(episodes))]
+
+
+def solved_fraction(task, problems, texts, k):
+    """Fraction of problems, over all ranks, with at least one of its k completions correct."""
+    hits = torch.tensor([task.correct(task.build_prompt(problems[i // k][0]), c, problems[i // k][1])
+                         for i, c in enumerate(texts)])
+    total = all_reduce_sum(torch.stack([hits.view(-1, k).amax(1).sum(), torch.tensor(float(len(problems)))]))
+    return (total[0] / total[1]).item()
+
+
+def best_constant(task):
+    """Where the held-out answers take few values (at most 10, each held out twice on average: Yes / No), the one
+    reply, bare or in <answer> tags, that scores best given to every held-out problem, and its accuracy: an eval_acc
+    at that level needs no more than one answer for all. -> (reply, accuracy), or None (also for a task whose
+    correct() takes no such reply: an agent's environment that grades by its own means)"""
+    values = sorted({answer_text(a) for _, a in task.eval_set})
+    if len(values) > min(10, len(task.eval_set) / 2):
+        return None
+    replies = [form for v in values for form in (v, f"<answer>{v}</answer>")]
+    try:
+        score = {r: sum(task.correct(task.build_prompt(q), r, a) for q, a in task.eval_set) / len(task.eval_set)
+                 for r in replies}
+    except Exception:  # the task's correct() is for its own completions only
+        return None
+    best = max(replies, key=score.get)
+    return best, score[best]
+
+
 def save_samples(cfg, step, problems, episodes):
     """An evaluation's first four episodes, appended to the run's samples.jsonl (rank 0)."""
     if rank() > 0 or not cfg.out:
@@ -246,8 +313,7 @@ def save_samples(cfg, step, problems, episodes):
     with open(os.path.join(cfg.out, "samples.jsonl"), "a") as f:
         for (q, a), ep in list(zip(problems, episodes))[:4]:
             more = {"turns": ep.chat} if cfg.max_turns > 1 else {}
-            answer = a["answer"] if isinstance(a, dict) else a  # a reasoning-gym entry: its answer, not its metadata
-            sample = {"step": step, "prompt": q, "answer": str(answer), "completion": str(ep.answer), **more}
+            sample = {"step": step, "prompt": q, "answer": answer_text(a), "completion": str(ep.answer), **more}
             f.write(json.dumps(sample) + "\n")
 
 
@@ -268,14 +334,17 @@ class LLMTask:
         self.held_keys = {q for q, _ in self.eval_set}
         check_training_room(self)
 
+    @functools.cached_property
+    def constant(self):  # best_constant: on the first evaluation (a rollout worker never needs it)
+        return best_constant(self)
+
     def grading_rule(self):  # a line for the run's start on how its rewards grade (exact, or partial credit)
         return None
 
     def held_out(self):
         found = distinct_problems(self.problem, 10**9, self.cfg.n_eval)
         if len(found) < self.cfg.n_eval:
-            raise SystemExit(f"config error: {type(self).__name__} has only {len(found)} distinct problems; "
-                             f"lower --n-eval (training needs the rest)")
+            raise SystemExit(f"config error: {type(self).__name__} has {len(found)} distinct problems: lower --n-eval")
         return list(found.items())
 
     def build_prompt(self, question):
@@ -283,6 +352,11 @@ class LLMTask:
 
     def correct(self, prompt, completion, answer):  # what accuracy and eval_acc count
         return numeric_match(prompt, completion, answer)
+
+    def well_formed(self, prompt, completion, answer):
+        """Did the task find an answer in the reply, right or wrong (its format)? Here: its <answer> tag, or the whole
+        reply, holds one number ("7 + 5 = 12" starts with an operand). A correct reply is well-formed (tasks.graded)."""
+        return len(numbers(answer_tag(completion) or completion)) == 1
 
     def reward(self, prompt, completion, answer):
         return sum(w * fn(prompt, completion, answer) for w, fn in self.rewards)
@@ -368,36 +442,28 @@ class LLMTask:
         penalties = [overlong_penalty(n, self.max_len, self.cfg.overlong_buffer) for n in sampled]
         place_rewards(batch, [self.episode_rewards(*problems[e // G], ep) for e, ep in enumerate(episodes)],
                       penalties, self.cfg)
-        right = [self.correct(self.build_prompt(problems[e // G][0]), ep.answer, problems[e // G][1])
-                 for e, ep in enumerate(episodes)]
-        batch.stats = {"accuracy": sum(right) / len(episodes), "gen_s": gen_s,
-                       "gen_tok_s": batch.mask.sum().item() / gen_s, **self.episode_stats(episodes)}
+        right, formed, right_formed, n = graded(self, problems, episodes, G)
+        batch.stats = {"accuracy": right / n, **format_metrics(self, formed, right_formed, n),
+                       "gen_s": gen_s, "gen_tok_s": batch.mask.sum().item() / gen_s, **self.episode_stats(episodes)}
         if self.cfg.max_turns > 1:  # assistant replies per episode
             batch.stats["turns"] = sum(len(replies(ep.chat)) for ep in episodes) / len(episodes)
         return batch
 
     def evaluate(self, policy, step):
-        """Greedy held-out accuracy of the answers (eval_acc), multi-turn of the first reply too; the task's
-        episode_stats; pass@k; samples.jsonl."""
+        """Greedy held-out eval_acc, its format (graded), the best constant's; eval_acc_turn1; episode_stats; pass@k."""
         mine = self.eval_set[rank()::world()]
-        prompts = [self.build_prompt(q) for q, _ in mine]
         episodes = self.play(policy, mine, 1, greedy=True)[1]
-        out = {"eval_acc": self.solved_fraction(mine, prompts, [ep.answer for ep in episodes], 1)}
+        right, formed, right_formed, n = all_reduce_sum(torch.tensor(graded(self, mine, episodes, 1))).tolist()
+        out = {"eval_acc": right / n, **format_metrics(self, formed, right_formed, n, held_out=True)}
         if self.cfg.max_turns > 1 and self.first_reply_answers:
-            out["eval_acc_turn1"] = self.solved_fraction(mine, prompts, [replies(ep.chat)[0] for ep in episodes], 1)
+            out["eval_acc_turn1"] = solved_fraction(self, mine, [replies(ep.chat)[0] for ep in episodes], 1)
         for k, v in self.episode_stats(episodes).items():  # a mean over ranks: each holds as many episodes
             out[f"eval_{k}"] = all_reduce_sum(torch.tensor(v)).item() / world()
         if self.cfg.eval_k:
             answers = [ep.answer for ep in self.play(policy, mine, self.cfg.eval_k)[1]]
-            out[f"eval_pass@{self.cfg.eval_k}"] = self.solved_fraction(mine, prompts, answers, self.cfg.eval_k)
+            out[f"eval_pass@{self.cfg.eval_k}"] = solved_fraction(self, mine, answers, self.cfg.eval_k)
         save_samples(self.cfg, step, mine, episodes)
         return out
-
-    def solved_fraction(self, problems, prompts, texts, k):
-        """Fraction of problems, over all ranks, with at least one of its k completions correct."""
-        hits = torch.tensor([self.correct(prompts[i // k], c, problems[i // k][1]) for i, c in enumerate(texts)])
-        total = all_reduce_sum(torch.stack([hits.view(-1, k).amax(1).sum(), torch.tensor(float(len(problems)))]))
-        return (total[0] / total[1]).item()
 
     def solved(self, metrics):
         return False
@@ -632,6 +698,9 @@ class ToolTask(LLMTask):
     def correct(self, prompt, completion, answer):  # an answer, not a call (an empty call is a malformed call)
         return 0.0 if self.find_call(completion) is not None else numeric_match(prompt, completion, answer)
 
+    def well_formed(self, prompt, completion, answer):  # an answer, not a call, and one number
+        return self.find_call(completion) is None and super().well_formed(prompt, completion, answer)
+
     def reward(self, prompt, completion, answer):
         return self.correct(prompt, completion, answer)
 
@@ -712,6 +781,9 @@ class AgentTask(LLMTask):
 
     def correct(self, prompt, completion, answer):
         return float(completion >= 1) if isinstance(completion, float) else super().correct(prompt, completion, answer)
+
+    def well_formed(self, prompt, completion, answer):  # a reward of the environment's own grader, or a text's form
+        return isinstance(completion, float) or super().well_formed(prompt, completion, answer)
 
     def run_agents(self, policy, problems, n, greedy):
         """n agent runs per problem, at once -> [Episode] (agent_result)."""
@@ -825,6 +897,7 @@ class ReasoningGym(LLMTask):
         self.data, config = rg_dataset(cfg.task.partition(":")[2], cfg.rg_config)
         self.graders = Graders(cfg.task.partition(":")[2], config)
         super().__init__(cfg)
+        self.longest = max(len(answer_text(a)) for _, a in self.eval_set)  # well_formed's bound
         for _, entry in self.eval_set[:8]:  # now, not at the first reward: does the child build the same items?
             self.score("", entry)
 
@@ -860,6 +933,10 @@ class ReasoningGym(LLMTask):
 
     def correct(self, prompt, completion, answer):
         return float(self.score(completion, answer) == 1)
+
+    def well_formed(self, prompt, completion, answer):
+        """A tagged answer, or a whole reply no longer than the longest held-out answer: only an answer ("No")."""
+        return bool(answer_tag(completion)) or 0 < len(completion.strip()) <= self.longest
 
     def env_response(self, question, answer, turns):  # multi-turn: a reply that is not right is asked again
         return None if self.score(turns[-1], answer) == 1 else self.retry
@@ -994,6 +1071,9 @@ class DataTask(LLMTask):
 
     def correct(self, prompt, completion, answer):
         return final_number_match(prompt, completion, answer)
+
+    def well_formed(self, prompt, completion, answer):  # a number to read: the last one (the reasoning comes first)
+        return bool(numbers(answer_tag(completion) or completion))
 
 
 def task_class(name):

@@ -23,7 +23,7 @@ import config as config_lib
 from algos import ADVANTAGES, loss_weights, needs_groups, pg_loss, run_stats, value_loss
 from model import HFPolicy, MLPPolicy, check_parity, save_adapter
 from serve import WORKER, AsyncSource, SyncSource, hello, run_worker, serve_chat, served
-from tasks import TASKS, task_class
+from tasks import TASKS, checks_form, task_class
 from utils import (Logger, Timer, all_reduce_sum, backend, broadcast_bytes, ctrl_c_waits, freeze_start_up,
                    fresh_dir, held_mb, keep_freed_memory, load_checkpoint, masked_mean, non_dumpable, peak_flops, rank,
                    reshard, rewind, rng_mark, save_checkpoint, seed_all, share_cores, unshard, world)
@@ -360,6 +360,14 @@ def opening_lines(cfg, task, policy):
         out.append("parameters on each of %d rank(s): %.1f MB trainable, %.1f MB frozen" % (world(), *held_mb(policy)))
         if rule := task.grading_rule():
             out.append(rule)
+        if task.constant:
+            reply, acc = task.constant
+            acc_name = "eval_acc_turn1" if cfg.max_turns > 1 else "eval_acc"  # later replies may try other answers
+            out.append(f"best constant answer: {reply!r} for every held-out problem scores {acc:.3g} "
+                       f"(eval_best_constant): an {acc_name} at that level needs no more than that")
+        if not checks_form(task):
+            out.append(f"note: {type(task).__name__} has a correct() of its own and the default well_formed(), which "
+                       "reads numbers: no well_formed share is logged until it defines well_formed (README, Tasks)")
     if not task.llm and cfg.algo != "ppo" and cfg.gamma >= 1:
         out.append("note: at --gamma 1 an episode cut by the time limit is not bootstrapped (its tail r_mean / "
                    "(1 - gamma) is infinite): it counts only the rewards it saw")

@@ -514,8 +514,8 @@ def load_checkpoint(path, opt, params):
 
 # curves.png, one panel per group that the run logged: the first key on the left axis (with every eval_ metric), the
 # rest on a right-hand axis. How to read each: README "Health metrics".
-PANELS = (("reward", "eval_"), ("trained_entropy",), ("trained_approx_kl", "trained_clipfrac"), ("length", "truncated"),
-          ("grad_norm",),
+PANELS = (("reward", "eval_"), ("well_formed", "acc_well_formed"), ("trained_entropy",),
+          ("trained_approx_kl", "trained_clipfrac"), ("length", "truncated"), ("grad_norm",),
           ("staleness", "logp_gap"), ("gen_mfu", "train_mfu"))
 
 

@@ -257,6 +257,7 @@ def test_bad_agents_get_reward_0_and_are_counted_by_cause(tiny_llm, monkeypatch)
     assert {k: v for k, v in stats.items() if k.startswith("agent_errors")} == {
         "agent_errors": 5, "agent_errors_raised": 1, "agent_errors_timeout": 1, "agent_errors_turns": 1,
         "agent_errors_no_call": 1, "agent_errors_answer": 1}
+    assert stats["well_formed"] == 1 / 6 and stats["acc_well_formed"] == 0.0  # a run in error is never well-formed
     assert batch.rewards.sum(1).tolist()[1:] == [0.0] * (len(batch.rewards) - 1)
     time.sleep(1.5)  # the hung agent wakes up and calls after its run was closed
     assert task.late == [410] and task.server.chat.runs == {} and not task.server.chat.running

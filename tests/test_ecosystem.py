@@ -137,6 +137,28 @@ def test_the_run_picture_has_a_panel_per_metric_group(tmp_path):
     assert (img[height // 2 + 5:, 2 * width // 3 + 5:, :3] == 1).all() and not (img[height // 2 + 5:, :width // 3, :3] == 1).all()
 
 
+def test_the_picture_shows_format_apart_from_correctness(tmp_path, monkeypatch):
+    """Held out: eval_acc beside the well-formed share, the accuracy among those and the best constant's; training:
+    the same pair for the sampled replies, in a panel of its own."""
+    from matplotlib.figure import Figure
+    from utils import Logger
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: figs.append(fig))
+    log = Logger(str(tmp_path), 0, 2, config.Config(steps=2))
+    held = {"eval_acc": 0.1, "eval_well_formed": 0.2, "eval_acc_well_formed": 0.5, "eval_best_constant": 0.6}
+    for step in (0, 1):
+        log.log({"step": step, "time_s": step, **(held if step == 0 else {}), "reward": 0.3, "well_formed": 0.25 * step,
+                 "acc_well_formed": 0.75}, step)
+    log.close(str(tmp_path))
+    panels = {}  # a panel's lines, on its axis and its right-hand one (the same cell of the grid)
+    for ax in figs[0].axes:
+        lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        panels.setdefault(ax.get_subplotspec().num1, {}).update(lines)
+    panels = [panels[cell] for cell in sorted(panels)]
+    assert panels[0] == {"reward": [0.3, 0.3], **{k: [v] for k, v in held.items()}}
+    assert panels[1] == {"well_formed": [0.0, 0.25], "acc_well_formed": [0.75, 0.75]}
+
+
 def test_twin_axis_series_stay_apart_and_a_constant_one_gets_a_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
     from utils import Logger

@@ -4,6 +4,7 @@ import copy
 import csv
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from algos import ADVANTAGES
 from conftest import ctrl_c_during, needs_smol, same_run
 from config import Config
 from model import HFPolicy, pack, save_adapter, shared_prompts
-from tasks import (TASKS, Arith, answer_tag, eval_expression, format_reward,
+from tasks import (TASKS, Arith, DataTask, Episode, LLMTask, answer_tag, eval_expression, format_reward,
                    numeric_match, overlong_penalty)
 from utils import Batch, fast_bf16, unshard
 
@@ -537,6 +538,63 @@ def test_held_out_prompts_never_train():
         Arith(Config(task="arith", n_eval=100))  # 1-digit a + b has 81 problems
 
 
+def test_evaluation_tells_format_from_correctness(monkeypatch):
+    """A bare number is well-formed, right or wrong; a worked sum is not (its first number, the one read, is an
+    operand), nor a right number followed by more: eval_acc counts it, the accuracy among well-formed does not."""
+    task = Arith(Config(task="arith", digits=2, n_eval=6, batch_size=8, group_size=4))
+    operands = [re.findall(r"\d+", q)[:2] for q, _ in task.eval_set]
+    answers = [a for _, a in task.eval_set]
+    replies = [f"{answers[0]}", f"{answers[1] + 1}.", f"{operands[2][0]} + {operands[2][1]} = {answers[2]}",
+               f"<answer>{answers[3]}</answer>", "no idea", f"The sum is {answers[5]}, since {operands[5][0]} + ..."]
+    monkeypatch.setattr(task, "play", lambda policy, problems, n, greedy=False: (None, [Episode([], r) for r in replies]))
+    out = task.evaluate(None, 0)
+    assert out["eval_acc"] == 3 / 6  # 0, 3, 5 (its first number is the sum)
+    assert out["eval_well_formed"] == 3 / 6 and out["eval_acc_well_formed"] == 2 / 3  # 0, 1, 3
+    assert "eval_best_constant" not in out and task.constant is None  # six different answers: no constant to beat
+    monkeypatch.setattr(task, "play", lambda policy, problems, n, greedy=False: (None, [Episode([], "?")] * 6))
+    assert task.evaluate(None, 0) == {"eval_acc": 0.0, "eval_well_formed": 0.0}  # no accuracy among none
+    data = DataTask.__new__(DataTask)  # the last number counts: reasoning first is its format
+    assert data.well_formed(None, "7 + 5 = 12", 12) and not data.well_formed(None, "twelve", 12)
+
+
+class Parity(LLMTask):
+    """Answers of two values: a constant reply is right on the share of held-out problems that have it."""
+
+    def problem(self, rng):
+        n = rng.randint(1, 10**6)
+        return f"Is {n} even? Reply Yes or No.", "Yes" if n % 2 == 0 else "No"
+
+    def correct(self, prompt, completion, answer):
+        return float(completion.strip() == answer)
+
+    def well_formed(self, prompt, completion, answer):  # the default looks for a number
+        return completion.strip() in ("Yes", "No")
+
+
+def test_the_best_constant_answer_is_found_where_answers_take_few_values(monkeypatch):
+    task = Parity(Config(task="arith", n_eval=41, batch_size=8, group_size=4))  # odd: no tie
+    yes = sum(a == "Yes" for _, a in task.eval_set)
+    assert 0 < yes < 41  # both answers held out
+    assert task.constant == (("Yes", yes / 41) if yes > 20 else ("No", 1 - yes / 41))
+    monkeypatch.setattr(task, "play", lambda policy, problems, n, greedy=False: (None, [Episode([], "Yes")] * 41))
+    assert task.evaluate(None, 0) == {"eval_acc": yes / 41, "eval_well_formed": 1.0, "eval_acc_well_formed": yes / 41,
+                                      "eval_best_constant": task.constant[1]}
+    assert Arith(Config(task="arith", digits=2, n_eval=32)).constant is None  # 32 held-out sums: many values
+
+
+class OwnCorrect(LLMTask):  # a fork's correct() of its own, the default well_formed (which reads numbers)
+    problem, correct = Parity.problem, Parity.correct
+
+
+def test_a_fork_with_its_own_correct_and_no_well_formed_logs_no_format_split(monkeypatch):
+    task = OwnCorrect(Config(task="arith", n_eval=41, batch_size=8, group_size=4))
+    monkeypatch.setattr(task, "play", lambda policy, problems, n, greedy=False: (None, [Episode([], "Yes")] * 41))
+    assert set(task.evaluate(None, 0)) == {"eval_acc", "eval_best_constant"}
+    said = train.opening_lines(task.cfg, task, torch.nn.Linear(1, 1))
+    assert "note: OwnCorrect has a correct() of its own and the default well_formed(), which reads numbers" in said
+    assert "note: Parity" not in train.opening_lines(task.cfg, Parity(task.cfg), torch.nn.Linear(1, 1))
+
+
 @pytest.mark.parametrize("n_eval,left", [(81, 0), (78, 3)])
 def test_a_task_that_holds_out_nearly_everything_is_refused_at_start(n_eval, left):
     """81 held out: train_problems drew forever (a hang); 78: every step repeated 3 problems among its 8 prompts."""
@@ -586,6 +644,8 @@ def test_readme_task_example_works():
     for code in blocks[:2]:
         exec(code, namespace)  # the README's examples, verbatim
     assert list(namespace["TASKS"]) == ["double", "reverse"]
+    reverse = namespace["TASKS"]["reverse"]
+    assert not reverse.well_formed(None, None, "cba", "cba") and reverse.well_formed(None, None, "<answer>x</answer>", "c")
     task = namespace["TASKS"]["reverse"](Config(task="reverse", n_eval=8, batch_size=8, group_size=4))
     q, a = task.train_problems(0)[0]
     assert task.reward(q, f"<answer>{a}</answer>", a) == pytest.approx(1.2) and task.correct(q, "nope", a) is False

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import train
 from config import Config
@@ -180,8 +181,25 @@ def test_every_algorithm_trains_on_an_rg_task(tiny_llm, tmp_path, monkeypatch, c
     assert [float(r["reward"]) for r in rows[:2]] == [0.5, 0.5] and float(rows[1]["accuracy"]) == 0.5
     assert float(rows[0]["eval_acc"]) == 0.5  # greedy, one row a prompt: held-out prompts 0 and 2 answered right
     assert float(rows[1]["grad_norm"]) > 0 and rows[2]["reward"] == ""  # the last row: the final evaluation
+    assert float(rows[1]["well_formed"]) == 1.0 and float(rows[1]["acc_well_formed"]) == 0.5  # every reply is tagged
+    assert float(rows[0]["eval_well_formed"]) == 1.0 and float(rows[0]["eval_acc_well_formed"]) == 0.5
     said = capsys.readouterr().out  # its opening line
     assert "grading: rg:basic_arithmetic gave no partial credit (near misses of 8 held-out answers scored 0)" in said
+
+
+def test_syllogisms_best_constant_answer_is_its_majority_answer_and_the_opening_line_says_it():
+    """Yes / No: always the majority answer scores its share (the dataset's own grader); a short untagged reply is
+    an answer (graded whole), a sentence is not."""
+    task = rg_task("syllogism", n_eval=64, batch_size=32, group_size=4)
+    answers = [entry["answer"] for _, entry in task.eval_set]
+    majority = max(set(answers), key=answers.count)
+    assert set(answers) == {"Yes", "No"} and task.constant == (majority, answers.count(majority) / 64)
+    assert train.opening_lines(task.cfg, task, torch.nn.Linear(1, 1)).endswith(
+        f"best constant answer: {majority!r} for every held-out problem scores {answers.count(majority) / 64:.3g} "
+        "(eval_best_constant): an eval_acc at that level needs no more than that")
+    question, entry = task.eval_set[0]
+    replies = ("No", "<answer>It follows</answer>", "Yes, it follows from the premises", " ", "<answer></answer>")
+    assert [task.well_formed(question, reply, entry) for reply in replies] == [1, 1, 0, 0, 0]
 
 
 def test_the_opening_line_says_which_graders_give_partial_credit():

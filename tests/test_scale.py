@@ -406,7 +406,7 @@ def _gpu_group_rank(r, port, backend, out_file):
         ADVANTAGES["reinforce_baseline"](batch, cfg)
         train.update(policy, train.optimizer(policy, cfg), batch, cfg, max_len=500, old_from=train.old_logp_from(cfg, batch))
         task = tasks.Arith(Config(task="arith", n_eval=4))
-        task.solved_fraction(task.eval_set[:2], ["q", "q"], ["1", "2"], 1)
+        tasks.solved_fraction(task, task.eval_set[:2], ["1", "2"], 1)
         utils.broadcast_bytes(b"rank 0's" if r == 0 else None)
         utils.all_gather(torch.ones(3))
         result = "ok"
