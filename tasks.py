@@ -354,8 +354,8 @@ class LLMTask:
         return numeric_match(prompt, completion, answer)
 
     def well_formed(self, prompt, completion, answer):
-        """Did the task find an answer in the reply, right or wrong (its format)? Here: its <answer> tag, or the whole
-        reply, holds one number ("7 + 5 = 12" starts with an operand). A correct reply is well-formed (tasks.graded)."""
+        """Is the reply an answer in the task's form, right or wrong? Here: its <answer> tag, or the whole reply, holds
+        one number ("7 + 5 = 12" starts with an operand). Agents: completion may be the environment's float reward."""
         return len(numbers(answer_tag(completion) or completion)) == 1
 
     def reward(self, prompt, completion, answer):
