@@ -175,9 +175,9 @@ def test_multi_turn_evaluation_and_samples(tiny_llm, tmp_path):
     cfg = dataclasses.replace(llm_cfg(tiny_llm, max_turns=3, max_new_tokens=24), out=str(tmp_path))
     policy, task = HFPolicy(cfg), Arith(cfg)
     out = task.evaluate(policy, 0)
-    held = {"eval_acc", "eval_acc_turn1", "eval_well_formed", "eval_turns"}  # and the accuracy among well-formed, if any
+    held = {"eval_acc", "eval_acc_turn1", "eval_well_formed"}  # and the accuracy among well-formed, if any
     assert held <= set(out) <= held | {"eval_acc_well_formed"} and out["eval_acc"] >= out["eval_acc_turn1"]
-    assert 1 <= out["eval_turns"] <= 3 and ("eval_acc_well_formed" in out) == (out["eval_well_formed"] > 0)
+    assert ("eval_acc_well_formed" in out) == (out["eval_well_formed"] > 0)
     first = (tmp_path / "samples.jsonl").read_text().splitlines()[0]
     assert '"turns": [{"role": "assistant"' in first and '"role": "user", "content": "That is not right.' in first
 
