@@ -42,10 +42,15 @@ RANGES = {
 # model a distribution nobody drew from, and logits / T overflow float32 near 1e-36.
 
 
+def need(ok, msg):  # Config.validate's check: a config error naming the fix
+    if not ok:
+        raise SystemExit(f"config error: {msg}")
+
+
 @dataclasses.dataclass
 class Config:
     # --- run ---
-    task: str = "cartpole"  # what to learn: a gymnasium env (cartpole, with --env), an LLM task of tasks.TASKS, rg:NAME
+    task: str = "cartpole"  # what to learn: a gymnasium env (cartpole, with --env), a name in tasks.TASKS, rg:NAME
     env: str = "CartPole-v1"  # gymnasium id for control tasks: discrete actions, Box observations
     algo: str = "reinforce"  # advantage estimator, one of algos.ADVANTAGES
     seed: int = 0  # seeds python, torch, env resets and prompt order
@@ -85,6 +90,7 @@ class Config:
     answer_field: str = "answer"  # data task: the column holding the answer (GSM8K's "... #### 42" is understood)
     data_prompt: str = "\nThink step by step, then put the final number in <answer></answer> tags."  # after a question
     rg_config: str = ""  # rg:NAME tasks: the reasoning-gym dataset's config as JSON, e.g. '{"min_terms": 2}'
+    vf_config: str = ""  # vf:NAME tasks (a verifiers environment NAME): verifiers' own env config as JSON
     digits: int = 1  # arith: digits per operand
     ops: str = "+"  # arith: operators to draw from, e.g. "+-*"
     max_new_tokens: int = 32  # tokens per reply; max_turns x this is the constant L_max of seq_mean_token_sum_norm
@@ -148,13 +154,10 @@ class Config:
     def validate(self, choices=()):
         """Reject bad values and combinations with a message that names the fix. `choices`: more fields with a
         fixed set of names (train.py passes --task's and --algo's registries)."""
-        def need(ok, msg):
-            if not ok:
-                raise SystemExit(f"config error: {msg}")
         for key, names in {**CHOICES, **dict(choices)}.items():
             value = getattr(self, key)
-            if key == "task" and value.startswith("rg:"):  # reasoning-gym's dataset NAME: the task checks NAME
-                value = "rg:NAME"
+            if key == "task" and value.startswith(("rg:", "vf:")):  # rg:NAME, vf:NAME: the task checks NAME
+                value = value[:3] + "NAME"
             if value not in names:  # (the did-you-mean search only then: it reads the source)
                 need(False, f"{key} {value!r} is unknown{_closest(value, list(names))}; pick one of {', '.join(names)}")
         for f in dataclasses.fields(self):  # NaN passes every comparison below, and inf trains on nonsense

@@ -775,6 +775,17 @@ class Chat:
                         (x[:c["cap"]], lp[:c["cap"]]) for x, lp in out]
 
 
+RUN_MODEL = "flatrl-run:"  # a model name that names an agent run: flatrl-run:<run id> (tasks.VerifiersTask's calls)
+
+
+def run_named(req):
+    """The agent run a request's model names, if any: a harness that sets no header of ours (verifiers' interception
+    server names every call's model as its rollout's) still has its calls recorded in its run. It comes before the
+    header, which that server passes on from whatever its harness sent."""
+    model = req.get("model")
+    return model.removeprefix(RUN_MODEL) if isinstance(model, str) and model.startswith(RUN_MODEL) else None
+
+
 def served(cfg):
     """The name /v1/models gives what is served: the run's folder (its weights), else the base model."""
     return os.path.basename(os.path.normpath(cfg.out)) if cfg.out else cfg.model
@@ -803,7 +814,7 @@ class ChatRoutes(Handler):
             return
         try:
             req = chat_request(body)
-            answer = self.server.chat.complete(req, self.headers.get("X-Flatrl-Episode"))
+            answer = self.server.chat.complete(req, run_named(req) or self.headers.get("X-Flatrl-Episode"))
         except BadRequest as e:
             return self.fail(e.code, str(e), e.param)
         except Exception as e:  # the sampler failed: the agent hears why (a 500), the server goes on

@@ -6,6 +6,7 @@ Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played a
 more turns (LLMTask.play: read it second, after train.py's step; then algos.py). TASKS maps --task to a class.
 """
 import ast
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -17,6 +18,7 @@ import json
 import math
 import operator
 import os
+import pkgutil
 import random
 import re
 import secrets
@@ -785,15 +787,19 @@ class AgentTask(LLMTask):
     def well_formed(self, prompt, completion, answer):  # a reward of the environment's own grader, or a text's form
         return isinstance(completion, float) or super().well_formed(prompt, completion, answer)
 
-    def run_agents(self, policy, problems, n, greedy):
-        """n agent runs per problem, at once -> [Episode] (agent_result)."""
+    def endpoint(self, policy):
+        """-> this process's endpoint's Chat and url, the endpoint started by the first play."""
         import httpx
-        import openai
         from serve import serve_chat
         if self.server is None:
             self.key = secrets.token_urlsafe(32)  # the agents' key: model code their tools run has none
             self.server, self.http = serve_chat(policy, self.cfg, token=self.key), httpx.Client()  # one pool for all
-        chat, url = self.server.chat, f"http://127.0.0.1:{self.server.server_port}/v1"
+        return self.server.chat, f"http://127.0.0.1:{self.server.server_port}/v1"
+
+    def run_agents(self, policy, problems, n, greedy):
+        """n agent runs per problem, at once -> [Episode] (agent_result)."""
+        import openai
+        chat, url = self.endpoint(policy)
         runs = [uuid.uuid4().hex for _ in range(len(problems) * n)]
         outcomes = [None] * len(runs)
         chat.open(runs, greedy)
@@ -1076,11 +1082,283 @@ class DataTask(LLMTask):
         return bool(numbers(answer_tag(completion) or completion))
 
 
+class VerifiersTask(AgentTask):
+    """--task vf:NAME: the verifiers (0.4) environment NAME as it is published (pip install -e ".[verifiers]"), its
+    config from --vf-config (JSON, verifiers' own env config). Its tasks are the problems; each run is one rollout of
+    its harness against this process's endpoint, through verifiers' interception server, which names every call's
+    model as the rollout's: flatrl-run:<run id> (serve.run_named), so a run's calls are recorded apart as an agent's.
+    The reward is the environment's own (its rewards, weighted and summed as verifiers does); correct = a reward of at
+    least 1 (verifiers' own solved mark). Held out: the last n_eval tasks. The environment runs in a child process
+    (VfChild): its rewards, tools and harness read model text, and none of that runs here."""
+
+    def __init__(self, cfg):
+        if importlib.util.find_spec("verifiers") is None:
+            raise SystemExit('config error: --task vf:NAME needs the verifiers package: pip install -e ".[verifiers]"')
+        self.child = VfChild(cfg.task.partition(":")[2], cfg.vf_config, cfg.agent_timeout)
+        super().__init__(cfg)
+
+    def held_out(self):  # (LLMTask's start) the environment's tasks, from its child: its last n_eval held out
+        questions = self.child.start()
+        alike = collections.Counter(questions)  # flatrl keys problems by question: tasks that ask alike are told apart
+        tasks = [(q if alike[q] == 1 else f"{q} [task {i}]", i) for i, q in enumerate(questions)]
+        if len(tasks) <= self.cfg.n_eval:
+            raise SystemExit(f"config error: --task {self.cfg.task} has {len(tasks)} tasks, and --n-eval "
+                             f"{self.cfg.n_eval} would hold out all of them: lower --n-eval")
+        self.rows = tasks[:-self.cfg.n_eval]
+        return tasks[-self.cfg.n_eval:]
+
+    def problem(self, rng):
+        return self.rows[rng.randrange(len(self.rows))]
+
+    def build_prompt(self, question):  # for a run that made no call: its empty row's prompt
+        return [{"role": "user", "content": question}]
+
+    def run_agents(self, policy, problems, n, greedy):
+        """n rollouts per problem, at once, in the child -> [Episode] (agent_result)."""
+        chat, url = self.endpoint(policy)
+        runs = [uuid.uuid4().hex for _ in range(len(problems) * n)]
+        chat.open(runs, greedy)
+        try:
+            said = self.child.play(url, self.key, [(run, problems[e // n][1]) for e, run in enumerate(runs)], chat)
+        finally:
+            records = chat.close(runs)  # a run still going is cut off: its later calls are refused
+        outcomes = [said.get(run, {"error": "timeout"}) for run in runs]
+        return [agent_result(out.get("reward", RuntimeError(out.get("why"))), record, out.get("error") == "timeout")
+                for out, record in zip(outcomes, records)]
+
+
+class VfChild:
+    """The process that holds a verifiers environment (vf_child): started with the task (its tasks, or a one-line
+    error), and again after one that stopped answering (a rollout that blocked it: that step's unanswered runs time
+    out). It speaks JSON lines on its stdin and stdout; whatever the environment prints goes to its stderr."""
+
+    def __init__(self, name, config_json, timeout):
+        self.name, self.args, self.timeout = name, [name, config_json, str(timeout)], timeout
+        self.proc, self.prompts, self.why = None, None, set()  # the child; its tasks; the failures already told
+        atexit.register(self.stop)
+
+    def start(self):
+        """-> the environment's tasks' questions; a SystemExit if it cannot be trained here."""
+        self.err = tempfile.TemporaryFile("w+")
+        code = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import tasks; " \
+               "tasks.vf_child(*sys.argv[1:])"
+        self.proc, self.unread = subprocess.Popen([sys.executable, "-c", code, *self.args], stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, stderr=self.err, start_new_session=True), b""
+        try:
+            said = json.loads(self.line(600) or "{}")
+        except ValueError:
+            said = {}
+        if "prompts" not in said:
+            why = said.get("error") or self.last_words()
+            self.stop()
+            raise SystemExit(f"config error: --task vf:{self.name}: {why}")
+        if self.prompts is not None and said["prompts"] != self.prompts:  # a new child, after one that hung
+            raise SystemExit(f"--task vf:{self.name}: the environment's tasks came back in another order: flatrl "
+                             "needs a taskset that loads the same tasks every time (seed its shuffles)")
+        self.prompts = said["prompts"]
+        return self.prompts
+
+    def last_words(self):
+        """The last line the child wrote to its stderr (where the environment's output goes)."""
+        self.err.seek(0)
+        return (self.err.read().strip().splitlines() or ["it exited saying nothing"])[-1][:300]
+
+    def line(self, timeout):
+        """The child's next line, or "" if none comes within timeout seconds. Read from the pipe itself: a buffered
+        reader could hold the next lines where select does not see them."""
+        end = time.time() + timeout
+        while b"\n" not in self.unread:
+            if not select.select([self.proc.stdout], [], [], max(end - time.time(), 0))[0]:
+                return ""
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:  # the child exited
+                return ""
+            self.unread += chunk
+        line, self.unread = self.unread.split(b"\n", 1)
+        return line.decode()
+
+    def stop(self):  # at a hang, a bad start, the end
+        if self.proc is not None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            self.proc = None
+
+    def play(self, url, key, runs, chat):
+        """runs [(run id, task index)] at once -> {run id: {"reward": r} or {"error": cause, "why": ...}}, each run
+        returned to chat as it ends (Chat.returned: no call waits for it). A run not answered within the timeout (and
+        10 s for the child to say so) is missing: the child is stopped, and the next play starts a new one."""
+        if self.proc is None:
+            self.start()
+        said, end = {}, time.time() + self.timeout + 10
+        try:
+            self.proc.stdin.write(json.dumps({"url": url, "key": key, "runs": runs}).encode() + b"\n")
+            self.proc.stdin.flush()
+            while len(said) < len(runs) and (line := self.line(end - time.time())):
+                out = json.loads(line)
+                run = out.pop("run")
+                said[run] = out
+                chat.returned(run)
+        except (OSError, ValueError, KeyError):  # the child died, or wrote something else than its line
+            pass
+        if len(said) < len(runs):
+            print(f"vf:{self.name}: the environment's process stopped answering ({self.last_words()}): the step's "
+                  "unanswered runs time out; a new one starts", file=sys.stderr)
+            self.stop()
+        for out in said.values():  # each new cause once (a few dozen at most): its first line, printable
+            why = "".join(c for c in (str(out.get("why") or "").strip().splitlines() or ["(no message)"])[0]
+                          if c.isprintable())[:200]
+            if "why" in out and why not in self.why and len(self.why) < 50:
+                print(f"vf:{self.name}: a rollout failed: {why}", file=sys.stderr)
+                self.why.add(why)
+        return said
+
+
+VF_MAX_TASKS = 100_000  # of an endless taskset, the first ones
+
+
+def vf_child(name, config_json, timeout):
+    """--task vf:NAME's child process (VfChild): loads the environment, prints {"prompts": [each task's question]}
+    (or {"error": why}), then for each line it reads ({"url", "key", "runs": [[run id, task index], ...]}) runs
+    those rollouts at once against url, printing {"run": id, "reward": r} or {"run": id, "error": cause} as each
+    ends. The prints go to its own copy of stdout: the environment's go to stderr."""
+    import asyncio
+    out, commands = os.fdopen(os.dup(1), "w"), os.fdopen(os.dup(0), "rb")  # private: programs it starts inherit 0-2
+    os.dup2(2, 1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    sys.stdout = sys.stderr
+    trainer = os.getppid()
+    threading.Thread(target=outlive_not, args=(trainer,), daemon=True).start()
+    try:
+        env, tasks = vf_environment(name, config_json)
+    except Exception as e:  # the one-line error the trainer shows
+        print(json.dumps({"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:500]}), file=out, flush=True)
+        return
+    print(json.dumps({"prompts": [vf_question(t.data) for t in tasks]}), file=out, flush=True)
+    asyncio.run(vf_serve(env, tasks, float(timeout), commands, out))
+
+
+def outlive_not(trainer):
+    """(A thread of the child) once the trainer is gone, however it went (os._exit skips atexit): end the child
+    and every process under it, even while a rollout blocks the child's event loop."""
+    while os.getppid() == trainer:
+        time.sleep(1)
+    kill_tree(os.getpid())
+
+
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants, those in sessions of their own too (verifiers starts each harness
+    program in a new session): found through /proc, children first listed, the parent stopped first."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)  # no new children while the tree is read
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    for child in children:
+        kill_tree(child)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def vf_question(data):
+    """A verifiers task's question as text: its prompt, or the last user message of a prompt of messages."""
+    if isinstance(data.prompt, str) or data.prompt is None:
+        return data.prompt or ""
+    said = [m.content for m in data.prompt if m.role == "user" and isinstance(m.content, str)]
+    return said[-1] if said else json.dumps(data.model_dump(mode="json")["prompt"])
+
+
+def vf_environment(name, config_json):
+    """verifiers' own loaders on NAME and the config -> (its Env, its tasks), or an error saying why not. Every role
+    runs as a local subprocess unless the config names a runtime; anything needing a container is refused."""
+    import pydantic
+    import verifiers.v1 as vf
+    from verifiers.v1.utils import loaders
+    try:
+        raw = json.loads(config_json or "{}")
+    except ValueError as e:
+        raise ValueError(f"--vf-config is not JSON ({e}): give verifiers' env config, e.g. '{{\"taskset\": {{}}}}'")
+    if not isinstance(raw, dict) or not isinstance(raw.get("taskset", {}), dict):
+        raise ValueError("--vf-config must be a JSON object, its taskset one too: verifiers' env config")
+    if raw.get("taskset", {}).get("id", name) != name:
+        raise ValueError(f"--vf-config names the taskset {raw['taskset']['id']!r}, and --task vf:{name} another")
+    if not name:
+        raise ValueError("give the environment's name: --task vf:NAME")
+    raw.setdefault("taskset", {})["id"] = name
+    module = name.rsplit("/", 1)[-1].split("@")[0].replace("-", "_").lower()
+    if importlib.util.find_spec(module) is None and importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is None:
+        installed = [m.name for m in pkgutil.iter_modules()] + [m.name for m in pkgutil.iter_modules(
+            importlib.import_module("verifiers.v1.tasksets").__path__)]
+        close = difflib.get_close_matches(module, installed, n=3)
+        raise ValueError(f"no verifiers environment {name!r} is installed (no module {module!r} to import)" +
+                         (f"; did you mean {', '.join(close)}?" if close else "; install its package first"))
+    kind = loaders.environment_class(name, raw.get("id", ""))
+    if kind is not vf.SingleAgentEnv:  # best-of-n, judges, user simulators: several traces an episode
+        raise ValueError(f"the environment is a {kind.__name__}: flatrl trains one agent's calls per run, so it takes "
+                         "single-agent environments (verifiers' SingleAgentEnv) only")
+    raw.setdefault("agent", {}).setdefault("runtime", {"type": "subprocess"})  # verifiers' default: a remote sandbox
+    try:
+        config = vf.resolve_env_config(raw)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        raise ValueError(f"--vf-config: {'.'.join(map(str, first['loc'])) or 'the config'}: {first['msg']}")
+    if config.agent.model or config.agent.client:
+        raise ValueError("the agent names a model or endpoint of its own, and flatrl trains the one it serves: drop "
+                         "agent.model / agent.client from --vf-config")
+    if any(r.max_retries or r.rules for r in (config.retries, config.agent.retries)):
+        raise ValueError("retries are on: a retried rollout's first calls would be trained with the last attempt's "
+                         "reward: drop retries from --vf-config")
+    if config.agent.runtime.type != "subprocess":
+        raise ValueError(f"the agent runs in verifiers' {config.agent.runtime.type} runtime (a container or a remote "
+                         "sandbox), which flatrl does not give: its harnesses run as local subprocesses")
+    harness = config.agent_harnesses()["agent"].id
+    if loaders.harness_class(harness).NEEDS_CONTAINER:
+        raise ValueError(f"harness {harness!r} needs a container, which flatrl does not give (its harnesses run as "
+                         "local subprocesses): pick another, e.g. the taskset's own, bash or null")
+    env = vf.load_environment(config)
+    tasks = list(env.taskset if env.taskset.bounded else env.taskset.take(VF_MAX_TASKS))
+    if imaged := [t for t in tasks if t.data.image or getattr(type(t), "NEEDS_CONTAINER", False)]:
+        why = imaged[0].data.image or "its task class says so"
+        raise ValueError(f"task {imaged[0].data.idx} needs a container ({why}), which flatrl does not give")
+    return env, tasks
+
+
+async def vf_serve(env, tasks, timeout, commands, out):
+    """The child's loop: each line's rollouts at once, inside the environment's serving resources."""
+    import asyncio
+
+    import verifiers.v1 as vf
+    from verifiers.v1.env import RunSlot
+    from serve import RUN_MODEL
+
+    async def rollout(run, index, client):
+        ctx = vf.ModelContext(model=RUN_MODEL + run, client=client)
+        try:
+            episode = await asyncio.wait_for(env.run_slot(RunSlot(tasks[index]), ctx), timeout)
+            errors = [*episode.errors, *(t.last_error for t in episode.traces if t.last_error)]
+            said = {"reward": sum(t.reward for t in episode.traces)} if episode.ok else {
+                "error": "raised", "why": errors[0].message if errors else "the episode failed"}
+        except TimeoutError:
+            said = {"error": "timeout"}
+        except Exception as e:  # the harness's, the reward's: this run's alone
+            said = {"error": "raised", "why": f"{type(e).__name__}: {e}"}
+        print(json.dumps({"run": run, **said}), file=out, flush=True)
+
+    loop = asyncio.get_running_loop()
+    async with env.serving():
+        while line := await loop.run_in_executor(None, commands.readline):
+            ask = json.loads(line)
+            os.environ["FLATRL_VF_API_KEY"] = ask["key"]  # read as the client is built; subprocesses never get it
+            client = vf.EvalClientConfig(base_url=ask["url"], api_key_var="FLATRL_VF_API_KEY")
+            await asyncio.gather(*(rollout(run, index, client) for run, index in ask["runs"]))
+
+
 def task_class(name):
-    """--task's class: rg:NAME is the rg task (reasoning-gym's dataset NAME)."""
-    return TASKS["rg:NAME" if name.startswith("rg:") else name]
+    """--task's class: rg:NAME is the rg task (reasoning-gym's dataset NAME), vf:NAME the verifiers environment."""
+    return TASKS[name[:3] + "NAME" if name.startswith(("rg:", "vf:")) else name]
 
 
 TASKS = {"cartpole": GymTask, "gym": GymTask, "arith": Arith, "calc": Calc,
-         "calc_agent": CalcAgent, "data": DataTask, "rg:NAME": ReasoningGym,
+         "calc_agent": CalcAgent, "data": DataTask, "rg:NAME": ReasoningGym, "vf:NAME": VerifiersTask,
          "jsonl": DataTask}  # jsonl: data's other name, which older configs use

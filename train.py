@@ -37,6 +37,9 @@ def build(cfg):
     if cfg.rg_config and not cfg.task.startswith("rg:"):
         raise SystemExit(f"config error: --rg-config configures a reasoning-gym task, and {cfg.task} is not one: drop "
                          "it, or use --task rg:NAME")
+    if cfg.vf_config and not cfg.task.startswith("vf:"):
+        raise SystemExit(f"config error: --vf-config configures a verifiers environment, and {cfg.task} is not one: "
+                         "drop it, or use --task vf:NAME")
     task = task_class(cfg.task)(cfg)
     if not task.llm and (cfg.kl_coef or cfg.fsdp or cfg.credit == "turn"):
         raise SystemExit("config error: --kl-coef, --fsdp and --credit turn are for LLM policies; drop them for "

@@ -2,7 +2,8 @@
 configs/arith_grpo_cpu.yaml (one reply), configs/arith_multiturn_cpu.yaml (a wrong reply is told so, up to
 3 replies), configs/arith_multiturn_turn_cpu.yaml (the same with --credit turn), configs/calc_grpo_cpu.yaml
 (a calculator tool), the same without the tool, and configs/calc_agent_cpu.yaml (the calculator task played by an
-agent written against the OpenAI API, through flatrl's endpoint) (--runs picks), each in a fresh process for --budget seconds (then Ctrl-C: the run saves and stops), held-out
+agent written against the OpenAI API, through flatrl's endpoint), configs/vf_calc_cpu.yaml (the same problems as a
+verifiers environment: its taskset and its harness, tests/vf_calc.py) (--runs picks), each in a fresh process for --budget seconds (then Ctrl-C: the run saves and stops), held-out
 greedy evaluation every --eval-every steps and at step 0 (before any update). Prints, per run: seconds per
 step, generated tokens per step, and eval_acc / eval_acc_turn1 at equal wall times.
 
@@ -10,6 +11,7 @@ step, generated tokens per step, and eval_acc / eval_acc_turn1 at equal wall tim
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0 1 --runs multi-turn turn-credit
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 900 --seeds 0 1 --runs calc calc-no-tools
     HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 600 --seeds 0 1 --runs calc calc-agent
+    HF_HUB_OFFLINE=1 python benchmarks/multiturn.py --budget 900 --seeds 0 --eval-every 5 --runs vf-calc
 """
 import argparse
 import csv
@@ -27,12 +29,14 @@ RUNS = {"single-turn": ["--config", "configs/arith_grpo_cpu.yaml"],
         "turn-credit": ["--config", "configs/arith_multiturn_turn_cpu.yaml"],
         "calc": ["--config", "configs/calc_grpo_cpu.yaml"],
         "calc-no-tools": ["--config", "configs/calc_grpo_cpu.yaml", "--max-tool-calls", "0"],
-        "calc-agent": ["--config", "configs/calc_agent_cpu.yaml"]}
+        "calc-agent": ["--config", "configs/calc_agent_cpu.yaml"],
+        "vf-calc": ["--config", "configs/vf_calc_cpu.yaml"]}
 
 
 def run(flags, seed, budget, eval_every, out):
     proc = subprocess.Popen([sys.executable, "train.py", *flags, "--seed", str(seed), "--steps", "1000",
                              "--eval-every", str(eval_every), "--out", out], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": "tests"},  # vf-calc's environment: tests/vf_calc.py
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # a job started with & ignores
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # Ctrl-C: undo that
     try:
