@@ -281,7 +281,8 @@ def test_check_parity_passes_on_every_shipped_cpu_config():
     assert len(configs) >= 4
     for config in configs + ["configs/arith_grpo_cpu.yaml --generator vllm"]:
         run = subprocess.run([sys.executable, "train.py", "--config", *config.split(), "--check-parity"],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONPATH": "tests"})  # vf_calc_cpu's environment, as it says
         assert run.returncode == 0 and "-> ok tolerance" in run.stdout, config + run.stdout[-800:] + run.stderr[-2000:]
 
 
