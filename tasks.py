@@ -6,7 +6,6 @@ Control tasks wrap gymnasium; LLM tasks are prompts + reward functions, played a
 more turns (LLMTask.play: read it second, after train.py's step; then algos.py). TASKS maps --task to a class.
 """
 import ast
-import atexit
 import collections
 import contextlib
 import dataclasses
@@ -1135,7 +1134,6 @@ class VfChild:
     def __init__(self, name, config_json, timeout):
         self.name, self.args, self.timeout = name, [name, config_json, str(timeout)], timeout
         self.proc, self.prompts, self.why = None, None, set()  # the child; its tasks; the failures already told
-        atexit.register(self.stop)
 
     def start(self):
         """-> the environment's tasks' questions; a SystemExit if it cannot be trained here."""
@@ -1177,7 +1175,7 @@ class VfChild:
         line, self.unread = self.unread.split(b"\n", 1)
         return line.decode()
 
-    def stop(self):  # at a hang, a bad start, the end
+    def stop(self):  # at a hang or a bad start (when the trainer ends, the child ends itself: outlive_not)
         if self.proc is not None:
             kill_tree(self.proc.pid)
             self.proc.wait()
@@ -1286,12 +1284,14 @@ def vf_environment(name, config_json):
     if not name:
         raise ValueError("give the environment's name: --task vf:NAME")
     raw.setdefault("taskset", {})["id"] = name
-    module = name.rsplit("/", 1)[-1].split("@")[0].replace("-", "_").lower()
-    if importlib.util.find_spec(module) is None and importlib.util.find_spec(f"verifiers.v1.tasksets.{module}") is None:
+    try:
+        loaders.import_taskset(name)  # verifiers' own resolution of NAME to a module
+    except ModuleNotFoundError as e:
+        missing = getattr(e.__cause__, "name", None) or name
         installed = [m.name for m in pkgutil.iter_modules()] + [m.name for m in pkgutil.iter_modules(
             importlib.import_module("verifiers.v1.tasksets").__path__)]
-        close = difflib.get_close_matches(module, installed, n=3)
-        raise ValueError(f"no verifiers environment {name!r} is installed (no module {module!r} to import)" +
+        close = difflib.get_close_matches(missing, installed, n=3)
+        raise ValueError(f"no verifiers environment {name!r} is installed (no module {missing!r} to import)" +
                          (f"; did you mean {', '.join(close)}?" if close else "; install its package first"))
     kind = loaders.environment_class(name, raw.get("id", ""))
     if kind is not vf.SingleAgentEnv:  # best-of-n, judges, user simulators: several traces an episode
